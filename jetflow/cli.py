@@ -1,0 +1,105 @@
+"""The ``jetflow`` command line. Each subcommand parses its arguments and calls the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jetflow.errors import JetFlowError
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="short name, HF model dir, .gguf file or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+
+
+def _load_target(args):
+    import torch
+
+    from jetflow.models.target import TargetModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise JetFlowError(f"device {device!r} is not usable here: {e}") from None
+    return TargetModel.load(args.target, device=device, dtype=dtype)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def cmd_generate(args) -> int:
+    from jetflow.decoding.api import stream
+    from jetflow.decoding.sampling import SamplingParams
+
+    # Fail on bad input before spending seconds on loading a model.
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if not args.prompt.strip():
+        raise JetFlowError("empty prompt")
+    target = _load_target(args)
+    events = stream(target, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
+    result = None
+    for event in events:
+        if isinstance(event, str):
+            if not args.json:
+                sys.stdout.write(event)
+                sys.stdout.flush()
+        else:
+            result = event
+    if args.json:
+        out = result.to_dict()
+        out["target"] = target.name
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s, "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jetflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
+    g.add_argument("prompt")
+    _add_target_args(g)
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="apply the chat template (default when the model has one)")
+    g.add_argument("--no-chat", dest="chat", action="store_false", help="encode the prompt as raw text")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except JetFlowError as e:
+        print(f"jetflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

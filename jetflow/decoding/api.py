@@ -1,0 +1,58 @@
+"""The Python API: ``generate`` (a result) and ``stream`` (text deltas, then the result)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from jetflow.decoding.autoregressive import autoregressive_stream
+from jetflow.decoding.output import OutputStream
+from jetflow.decoding.prompt import encode_prompt, stop_token_ids
+from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.sampling import SamplingParams
+from jetflow.errors import InvalidRequestError
+from jetflow.models.target import TargetModel
+
+
+def stream(
+    target: TargetModel,
+    prompt: str | list[dict] | list[int],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    chat: bool | None = None,
+) -> Iterator[str | GenerationResult]:
+    """Yield text deltas as they are decoded, then one :class:`GenerationResult`.
+
+    ``prompt`` is text (chat template applied when the model has one, unless ``chat=False``), a list
+    of chat messages, or a list of token ids used as is.
+    """
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompt_ids = list(prompt)
+        if any(not 0 <= t < target.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {target.vocab_size})")
+    else:
+        prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
+    if len(prompt_ids) >= target.max_context:
+        raise InvalidRequestError(
+            f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context} tokens"
+        )
+    if isinstance(stop, str):
+        stop = [stop]
+    output = OutputStream(
+        target.tokenizer,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids(target.tokenizer, target.model.generation_config),
+        stop_strings=list(stop),
+    )
+    return autoregressive_stream(target, prompt_ids, params, output)
+
+
+def generate(target: TargetModel, prompt, **kwargs) -> GenerationResult:
+    """Run :func:`stream` to the end and return its result."""
+    *_, result = stream(target, prompt, **kwargs)
+    return result

@@ -1,0 +1,33 @@
+"""Plain autoregressive decoding on the target runtime: the baseline every speed-up is measured
+against, and the reference speculative decoding must reproduce token for token."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from jetflow.decoding.output import OutputStream
+from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.sampling import SamplingParams, next_token
+from jetflow.models.target import TargetModel
+
+
+def autoregressive_stream(
+    target: TargetModel, prompt_ids: list[int], params: SamplingParams, output: OutputStream
+) -> Iterator[str | GenerationResult]:
+    """Yield text deltas as tokens are produced, then the final :class:`GenerationResult`."""
+    t0 = time.perf_counter()
+    generator = params.make_generator(target.device)
+    logits = target.prefill(prompt_ids, return_hidden=False).logits[-1]
+    prefill_s = time.perf_counter() - t0
+    while True:
+        token = next_token(logits, params, generator)
+        if output.add(token) or target.past_len >= target.max_context:
+            output.finish("length")
+            break
+        if delta := output.drain():
+            yield delta
+        logits = target.extend([token]).logits[-1]
+    if delta := output.drain():
+        yield delta
+    yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s, method="ar")

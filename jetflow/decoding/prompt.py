@@ -1,0 +1,49 @@
+"""Prompt text -> token ids, with the model's chat template when asked for."""
+
+from __future__ import annotations
+
+from jetflow.errors import InvalidRequestError
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``: a string, or a list of chat messages ({"role", "content"}).
+
+    ``chat=None`` applies the chat template when the tokenizer has one (strings become one user
+    turn); ``chat=False`` encodes a string as raw text.
+    """
+    messages = prompt if isinstance(prompt, list) else None
+    if messages is None:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise InvalidRequestError("empty prompt")
+    elif not messages:
+        raise InvalidRequestError("messages must not be empty")
+    use_chat = has_chat_template(tokenizer) if chat is None else chat
+    if messages is not None and not use_chat:
+        raise InvalidRequestError("chat messages need a tokenizer with a chat template")
+    if use_chat:
+        if not has_chat_template(tokenizer):
+            raise InvalidRequestError("this model's tokenizer has no chat template; use chat=False / --no-chat")
+        if messages is None:
+            messages = [{"role": "user", "content": prompt}]
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError("each chat message needs string fields 'role' and 'content'")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def stop_token_ids(tokenizer, model_config=None) -> set[int]:
+    """EOS ids of the tokenizer and of the model's generation config."""
+    ids = set()
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(model_config, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else source)
+    return ids

@@ -1,0 +1,264 @@
+"""The frozen target LLM as the speculative decoder drives it: prefill, tree verify, commit.
+
+Built on transformers model classes (Llama, Qwen2/Qwen3, Gemma 3 text, ...) with a ``DynamicCache``:
+transformers accepts a ready 4D additive mask plus explicit ``position_ids``, which is all a tree
+verification needs, and the cache's per-layer key/value tensors can be compacted in place to keep
+only the accepted path. Hidden states of the tapped layers are read with forward hooks on the
+decoder layers, so the model never materialises all of its hidden states.
+
+State: ``past_len`` tokens are committed in the cache. ``verify`` appends a tree of pending nodes
+after them; ``commit`` keeps one root-to-node path of those nodes and drops the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from jetflow.errors import InvalidRequestError
+from jetflow.models.resolve import ResolvedModel, resolve_model
+from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [N, vocab] float32
+    hidden: torch.Tensor | None  # [N, len(tapped_layers) * hidden_size], tapped layers concatenated
+
+
+def default_tapped_layers(num_layers: int, count: int = 5) -> list[int]:
+    """``count`` decoder layers spread evenly from layer 1 to layer num_layers-3 (DFlash's choice).
+
+    The last layers are skipped: their states are nearly the next-token logits already, while the
+    draft head profits from low/mid-level features too.
+    """
+    if num_layers <= 3 or count >= num_layers:
+        return list(range(min(count, num_layers)))
+    start, end = 1, num_layers - 3
+    if count == 1:
+        return [(start + end) // 2]
+    return [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+
+
+class TargetModel:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        name: str = "target",
+        tapped_layers: Sequence[int] | None = None,
+        prefill_chunk: int = 1024,
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config.get_text_config(decoder=True)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+        self.prefill_chunk = prefill_chunk
+        layers = model.get_decoder().layers
+        taps = list(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
+        if not taps or any(not 0 <= t < self.num_layers for t in taps):
+            raise ValueError(f"tapped layers {taps} must be non-empty ids in [0, {self.num_layers})")
+        self.tapped_layers = tuple(taps)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture = False
+        for t in set(taps):
+            layers[t].register_forward_hook(self._make_hook(t))
+        # Local-attention layers (Gemma 3, Qwen2 with sliding windows) need their own mask.
+        layer_types = getattr(self.config, "layer_types", None) or []
+        window = getattr(self.config, "sliding_window", None)
+        self._sliding_window = window if window and "sliding_attention" in layer_types else None
+        self._mask_kinds = sorted(set(layer_types)) if self._sliding_window else []
+        self.reset()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(
+        cls,
+        spec: str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tapped_layers: Sequence[int] | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> "TargetModel":
+        """Load a target from any spec :func:`resolve_model` accepts."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        resolved = spec if isinstance(spec, ResolvedModel) else resolve_model(spec)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved.path, dtype=dtype, attn_implementation=attn_implementation
+        ).to(device)
+        return cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def identity(self) -> dict:
+        """What a drafter checkpoint records to refuse loading against a different target."""
+        return {
+            "name": self.name,
+            "model_type": self.config.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+        }
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.past_len = 0  # committed tokens in the cache
+        self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
+
+    def _make_hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            if self._capture:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ------------------------------------------------------------------ forwards
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int] | torch.Tensor, return_hidden: bool = True) -> TargetOutput:
+        """Reset the cache and run the prompt; returns the last position's logits ([1, V]) and the
+        tapped hidden states of every prompt position ([T, taps*H])."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
+        if ids.numel() == 0:
+            raise InvalidRequestError("empty prompt: nothing to prefill")
+        if ids.numel() >= self.max_context:
+            raise InvalidRequestError(
+                f"prompt has {ids.numel()} tokens; the model's context is {self.max_context} tokens"
+            )
+        self.reset()
+        hidden, logits = [], None
+        for start in range(0, ids.numel(), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            out = self._forward(chunk, parents=None, last_logits_only=True, return_hidden=return_hidden)
+            self._commit_chain(chunk.numel())
+            logits = out.logits
+            if out.hidden is not None:
+                hidden.append(out.hidden)
+        return TargetOutput(logits, torch.cat(hidden) if hidden else None)
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        parents: Sequence[int],
+        return_hidden: bool = True,
+    ) -> TargetOutput:
+        """One forward over a token tree appended to the committed prefix.
+
+        ``parents[i]`` is the parent node of node i (-1: child of the prefix). Node i attends to the
+        prefix, its ancestors and itself, at position past_len + depth(i). Returns logits [N, V] and
+        tapped hidden states [N, taps*H] for every node. The nodes stay pending until ``commit``.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)
+        parents = [int(p) for p in parents]
+        if ids.numel() == 0 or ids.numel() != len(parents):
+            raise ValueError(f"need one parent per token and at least one token (got {ids.numel()} and {len(parents)})")
+        check_parents(parents)
+        self._drop_pending()
+        if self.past_len + max(tree_depths(parents)) + 1 > self.max_context:
+            raise InvalidRequestError(f"tree would extend past the model's context of {self.max_context} tokens")
+        out = self._forward(ids, parents, last_logits_only=False, return_hidden=return_hidden)
+        self._pending_parents = parents
+        return out
+
+    def _forward(self, ids: torch.Tensor, parents: list[int] | None, last_logits_only: bool, return_hidden: bool):
+        n = ids.numel()
+        if parents is None or is_chain(parents):
+            # A plain continuation: transformers builds the causal mask itself (cheaper).
+            positions = torch.arange(self.past_len, self.past_len + n, device=self.device)
+            mask = None
+        else:
+            positions = self.past_len + torch.tensor(tree_depths(parents), device=self.device)
+            mask = self._tree_mask(parents)
+        self._capture = return_hidden
+        self._captured.clear()
+        try:
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=positions[None],
+                attention_mask=mask,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_logits_only else 0,
+            )
+        finally:
+            self._capture = False
+        hidden = None
+        if return_hidden:
+            hidden = torch.cat([self._captured[t][0] for t in self.tapped_layers], dim=-1)
+            self._captured.clear()
+        return TargetOutput(out.logits[0].float(), hidden)
+
+    def _tree_mask(self, parents: list[int]):
+        full = tree_attention_mask(parents, self.past_len, self.dtype, self.device)
+        if not self._sliding_window:
+            return full
+        masks = {"full_attention": full}
+        masks["sliding_attention"] = tree_attention_mask(
+            parents, self.past_len, self.dtype, self.device, sliding_window=self._sliding_window
+        )
+        return {kind: masks[kind] for kind in self._mask_kinds}
+
+    # ------------------------------------------------------------------ cache bookkeeping
+    @torch.inference_mode()
+    def commit(self, nodes: Sequence[int]) -> None:
+        """Keep the pending nodes ``nodes`` (a root-to-node path, in order) and drop the rest.
+
+        Afterwards the cache is exactly what a plain causal forward over the accepted tokens gives.
+        """
+        nodes = [int(i) for i in nodes]
+        parents = self._pending_parents
+        for k, node in enumerate(nodes):
+            if not 0 <= node < len(parents):
+                raise ValueError(f"node {node} is not a pending tree node (tree has {len(parents)} nodes)")
+            expected = nodes[k - 1] if k else -1
+            if parents[node] != expected:
+                raise ValueError(f"nodes {nodes} are not a root-to-node path: parent of {node} is {parents[node]}")
+        keep = len(nodes)
+        if nodes != list(range(keep)):
+            index = torch.tensor(nodes, device=self.device) + self.past_len
+            for layer in self.cache.layers:
+                # Move the accepted entries right behind the prefix; the tail is cut off below.
+                layer.keys[..., self.past_len : self.past_len + keep, :] = layer.keys.index_select(-2, index)
+                layer.values[..., self.past_len : self.past_len + keep, :] = layer.values.index_select(-2, index)
+        self._commit_chain(keep, total_appended=len(parents))
+
+    def _commit_chain(self, keep: int, total_appended: int | None = None) -> None:
+        """Accept the first ``keep`` appended entries; cut the remaining appended ones."""
+        new_len = self.past_len + keep
+        if total_appended is not None and total_appended != keep:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[..., :new_len, :]
+                layer.values = layer.values[..., :new_len, :]
+        self.past_len = new_len
+        self._pending_parents = []
+
+    def _drop_pending(self) -> None:
+        if self._pending_parents:
+            self._commit_chain(0, total_appended=len(self._pending_parents))
+
+    def extend(self, tokens: Sequence[int] | torch.Tensor, return_hidden: bool = False) -> TargetOutput:
+        """Append committed tokens (a chain) and return the logits of each."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        out = self.verify(ids, list(range(-1, ids.numel() - 1)), return_hidden=return_hidden)
+        self.commit(range(ids.numel()))
+        return out

@@ -1,0 +1,38 @@
+"""Filesystem helpers: the cache location and atomic directory writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """JetFlow's cache directory: ``$JETFLOW_CACHE`` or ``~/.cache/jetflow``."""
+    return Path(os.environ.get("JETFLOW_CACHE") or Path.home() / ".cache" / "jetflow").expanduser()
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory that is renamed to ``final`` only if the block succeeds.
+
+    A crash or kill inside the block leaves at most a ``.tmp-*`` directory behind, never a
+    half-written ``final``. If ``final`` appears meanwhile (another process won the race), the
+    existing one is kept and the new copy is discarded.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,56 @@
+"""Tiny randomly initialised targets (several architectures) and a byte-level tokenizer for fast tests."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens + 3 specials, no merges: every string round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   pad_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|mask|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    # Gemma 3 with a 4-token sliding window on alternating layers, so local attention is exercised.
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+def tiny_model(arch: str = "llama", vocab_size: int = 272, seed: int = 0):
+    from transformers import AutoConfig
+
+    spec = dict(ARCHS[arch])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=257,
+        bos_token_id=256, pad_token_id=257, tie_word_embeddings=True, **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    # Larger random weights than the init default so logits are far from uniform and argmax is stable.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
