@@ -1,14 +1,17 @@
 """JetFlow: lossless speculative decoding with a causal parallel tree draft head.
 
     import jetflow
-    target = jetflow.TargetModel.load("smollm2-135m-instruct")
-    print(jetflow.generate(target, "What is 7 * 8?", max_new_tokens=64).text)
+    jf = jetflow.JetFlow.from_pretrained("smollm2-135m-instruct", drafter="path/to/drafter")
+    print(jf.generate("What is 7 * 8?", max_new_tokens=64).text)
 """
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "JetFlow": "jetflow.pipeline",
     "TargetModel": "jetflow.models.target",
+    "DraftHead": "jetflow.models.draft_head",
+    "DraftHeadConfig": "jetflow.models.draft_head",
     "resolve_model": "jetflow.models.resolve",
     "SamplingParams": "jetflow.decoding.sampling",
     "GenerationResult": "jetflow.decoding.result",

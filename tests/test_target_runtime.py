@@ -66,7 +66,7 @@ def test_commit_then_continue_equals_fresh_forward(runtime, seed):
         accepted = path_to_root(parents, rng.randrange(len(tokens)))
         target.commit(accepted)
         seq += [tokens[j] for j in accepted]
-        assert target.past_len == len(seq)
+        assert target.past_len == len(seq) and target.token_ids == seq
     nxt = [rng.randrange(256) for _ in range(3)]
     out = target.extend(nxt)
     ref_logits, _ = reference(model, seq + nxt, target.tapped_layers)

@@ -43,8 +43,9 @@ def tiny_model(arch: str = "llama", vocab_size: int = 272, seed: int = 0):
     model_type = spec.pop("model_type")
     cfg = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=257,
-        bos_token_id=256, pad_token_id=257, tie_word_embeddings=True, **spec,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=257 if vocab_size > 257 else None, bos_token_id=256 if vocab_size > 256 else None,
+        pad_token_id=257 if vocab_size > 257 else None, tie_word_embeddings=True, **spec,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
@@ -54,3 +55,32 @@ def tiny_model(arch: str = "llama", vocab_size: int = 272, seed: int = 0):
             if p.ndim == 2:
                 p.normal_(0, 0.2)
     return model.eval()
+
+
+class OracleDrafter:
+    """A test drafter that knows the target: depth d gets the target's own logits along its greedy
+    continuation of the committed tokens (teacher forcing), so whole rounds get accepted. Up to
+    ``good_depth``; deeper depths get random logits. Same interface as BlockDrafter."""
+
+    def __init__(self, target, block_size: int = 8, good_depth: int = 99, seed: int = 0, sharpen: float = 1.0):
+        self.target, self.block_size, self.good_depth, self.sharpen = target, block_size, good_depth, sharpen
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def reset(self):
+        pass
+
+    def extend(self, features):
+        pass
+
+    @torch.no_grad()
+    def depth_logprobs(self, anchor, position):
+        assert position == len(self.target.token_ids)
+        seq = list(self.target.token_ids) + [anchor]
+        rows = []
+        for d in range(self.block_size - 1):
+            logits = self.target.model(torch.tensor([seq])).logits[0, -1].float()
+            if d >= self.good_depth:
+                logits = torch.randn(logits.shape, generator=self.gen) * 3
+            rows.append((logits * self.sharpen).log_softmax(-1))
+            seq.append(int(rows[-1].argmax()))
+        return torch.stack(rows)

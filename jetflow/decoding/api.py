@@ -1,4 +1,8 @@
-"""The Python API: ``generate`` (a result) and ``stream`` (text deltas, then the result)."""
+"""The Python API: ``generate`` (a result) and ``stream`` (text deltas, then the result).
+
+Without a drafter these run the target's own autoregressive loop; :class:`jetflow.JetFlow` adds the
+speculative decoder on top of the same request handling.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from jetflow.errors import InvalidRequestError
 from jetflow.models.target import TargetModel
 
 
-def stream(
+def prepare_request(
     target: TargetModel,
     prompt: str | list[dict] | list[int],
     *,
@@ -22,10 +26,10 @@ def stream(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] | str = (),
     chat: bool | None = None,
-) -> Iterator[str | GenerationResult]:
-    """Yield text deltas as they are decoded, then one :class:`GenerationResult`.
+) -> tuple[list[int], SamplingParams, OutputStream]:
+    """Validate a request and turn it into prompt ids, sampling parameters and an output stream.
 
     ``prompt`` is text (chat template applied when the model has one, unless ``chat=False``), a list
     of chat messages, or a list of token ids used as is.
@@ -41,18 +45,23 @@ def stream(
         raise InvalidRequestError(
             f"prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context} tokens"
         )
-    if isinstance(stop, str):
-        stop = [stop]
     output = OutputStream(
         target.tokenizer,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids(target.tokenizer, target.model.generation_config),
-        stop_strings=list(stop),
+        stop_strings=[stop] if isinstance(stop, str) else list(stop),
     )
+    return prompt_ids, params, output
+
+
+def stream(target: TargetModel, prompt, **request) -> Iterator[str | GenerationResult]:
+    """Autoregressive decoding: yield text deltas, then one :class:`GenerationResult`.
+    Keyword arguments as in :func:`prepare_request`."""
+    prompt_ids, params, output = prepare_request(target, prompt, **request)
     return autoregressive_stream(target, prompt_ids, params, output)
 
 
-def generate(target: TargetModel, prompt, **kwargs) -> GenerationResult:
+def generate(target: TargetModel, prompt, **request) -> GenerationResult:
     """Run :func:`stream` to the end and return its result."""
-    *_, result = stream(target, prompt, **kwargs)
+    *_, result = stream(target, prompt, **request)
     return result

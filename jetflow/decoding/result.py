@@ -25,9 +25,10 @@ class GenerationResult:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @classmethod
-    def from_output(cls, output, prompt_tokens: int, seconds: float, prefill_seconds: float, method: str, **stats):
+    def from_output(cls, output, prompt_tokens: int, seconds: float, prefill_seconds: float, method: str,
+                    stats: dict | None = None):
         return cls(output.text, list(output.token_ids), prompt_tokens, output.finish_reason or "length",
-                   seconds, prefill_seconds, method, stats)
+                   seconds, prefill_seconds, method, stats or {})
 
     def to_dict(self) -> dict:
         d = asdict(self)

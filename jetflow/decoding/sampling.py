@@ -66,8 +66,14 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from a 1-D probability vector by inverting the CDF at one uniform draw.
+
+    Exactly one uniform per token, and tiny perturbations of ``probs`` (a tree-verify forward vs a
+    one-token forward) almost never change the outcome, so speculative sampling with a seed
+    reproduces autoregressive sampling with the same seed token for token."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -63,15 +63,10 @@ class TargetModel:
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefill_chunk = prefill_chunk
-        layers = model.get_decoder().layers
-        taps = list(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
-        if not taps or any(not 0 <= t < self.num_layers for t in taps):
-            raise ValueError(f"tapped layers {taps} must be non-empty ids in [0, {self.num_layers})")
-        self.tapped_layers = tuple(taps)
         self._captured: dict[int, torch.Tensor] = {}
         self._capture = False
-        for t in set(taps):
-            layers[t].register_forward_hook(self._make_hook(t))
+        self._hook_handles: list = []
+        self.set_tapped_layers(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
         # Local-attention layers (Gemma 3, Qwen2 with sliding windows) need their own mask.
         layer_types = getattr(self.config, "layer_types", None) or []
         window = getattr(self.config, "sliding_window", None)
@@ -123,7 +118,20 @@ class TargetModel:
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.past_len = 0  # committed tokens in the cache
+        self.token_ids: list[int] = []  # the committed tokens themselves
+        self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
+
+    def set_tapped_layers(self, layer_ids: Sequence[int]) -> None:
+        """Choose the decoder layers (0-based) whose outputs ``prefill``/``verify`` return."""
+        taps = [int(t) for t in layer_ids]
+        if not taps or any(not 0 <= t < self.num_layers for t in taps):
+            raise ValueError(f"tapped layers {taps} must be non-empty ids in [0, {self.num_layers})")
+        for handle in self._hook_handles:
+            handle.remove()
+        layers = self.model.get_decoder().layers
+        self._hook_handles = [layers[t].register_forward_hook(self._make_hook(t)) for t in sorted(set(taps))]
+        self.tapped_layers = tuple(taps)
 
     def _make_hook(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -149,6 +157,7 @@ class TargetModel:
         for start in range(0, ids.numel(), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
             out = self._forward(chunk, parents=None, last_logits_only=True, return_hidden=return_hidden)
+            self._pending_tokens = chunk.tolist()
             self._commit_chain(chunk.numel())
             logits = out.logits
             if out.hidden is not None:
@@ -178,6 +187,7 @@ class TargetModel:
             raise InvalidRequestError(f"tree would extend past the model's context of {self.max_context} tokens")
         out = self._forward(ids, parents, last_logits_only=False, return_hidden=return_hidden)
         self._pending_parents = parents
+        self._pending_tokens = ids.tolist()
         return out
 
     def _forward(self, ids: torch.Tensor, parents: list[int] | None, last_logits_only: bool, return_hidden: bool):
@@ -234,6 +244,7 @@ class TargetModel:
             if parents[node] != expected:
                 raise ValueError(f"nodes {nodes} are not a root-to-node path: parent of {node} is {parents[node]}")
         keep = len(nodes)
+        self._pending_tokens = [self._pending_tokens[i] for i in nodes]
         if nodes != list(range(keep)):
             index = torch.tensor(nodes, device=self.device) + self.past_len
             for layer in self.cache.layers:
@@ -245,6 +256,8 @@ class TargetModel:
     def _commit_chain(self, keep: int, total_appended: int | None = None) -> None:
         """Accept the first ``keep`` appended entries; cut the remaining appended ones."""
         new_len = self.past_len + keep
+        self.token_ids += self._pending_tokens[:keep]
+        self._pending_tokens = []
         if total_appended is not None and total_appended != keep:
             for layer in self.cache.layers:
                 layer.keys = layer.keys[..., :new_len, :]

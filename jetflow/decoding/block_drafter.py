@@ -1,0 +1,55 @@
+"""Runs a block draft head during decoding: keeps its context cache in step with the target's
+committed tokens and proposes one draft tree per round from a single head forward."""
+
+from __future__ import annotations
+
+import torch
+
+from jetflow.models.draft_head import DraftHead, check_compatible
+from jetflow.models.target import TargetModel
+
+
+class BlockDrafter:
+    def __init__(self, head: DraftHead, target: TargetModel):
+        check_compatible(head.config, target)
+        if tuple(target.tapped_layers) != tuple(head.config.target_layer_ids):
+            target.set_tapped_layers(head.config.target_layer_ids)
+        self.head = head.eval().requires_grad_(False)
+        self.embed = target.model.get_input_embeddings()  # shared, frozen
+        self.lm_head = target.model.get_output_embeddings()
+        self.block_size = head.config.block_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.context_len = 0
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor) -> None:
+        """Append the tapped target features [n, taps*H] of newly committed tokens to the context.
+        Only these n tokens are projected; earlier context keys/values are reused."""
+        if features.shape[0] == 0:
+            return
+        positions = torch.arange(self.context_len, self.context_len + features.shape[0], device=features.device)
+        new = self.head.context_kv(self.head.fuse(features), positions)
+        if self.context_kv is None:
+            self.context_kv = new
+        else:
+            self.context_kv = [(torch.cat([k, nk], -2), torch.cat([v, nv], -2))
+                               for (k, v), (nk, nv) in zip(self.context_kv, new)]
+        self.context_len += features.shape[0]
+
+    @torch.inference_mode()
+    def depth_logprobs(self, anchor: int, position: int) -> torch.Tensor:
+        """Draft log-probabilities [B-1, V] of the tokens at depths 1..B-1 after ``anchor``."""
+        if position != self.context_len:
+            raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
+        b = self.block_size
+        device = self.head.fc.weight.device
+        ids = torch.full((b,), self.head.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = anchor
+        positions = torch.arange(position, position + b, device=device)
+        mask = self.head.block_mask(self.context_len, device)
+        hidden = self.head(self.embed(ids), positions, self.context_kv, mask)
+        logits = self.lm_head(hidden[1:].to(self.lm_head.weight.dtype))
+        return logits.float().log_softmax(-1)

@@ -1,0 +1,69 @@
+"""The speculative decoding loop: per round one draft forward, one tree build, one target verify.
+
+    prefill -> root token
+    repeat: draft tree from the root -> verify the tree -> accept a path + bonus -> commit the path
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from jetflow.decoding.acceptance import accept_path
+from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.output import OutputStream
+from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.sampling import SamplingParams, next_token
+from jetflow.decoding.stats import SpeculativeStats
+from jetflow.models.target import TargetModel
+from jetflow.tree.build import build_tree
+
+
+def speculative_stream(
+    target: TargetModel,
+    drafter: BlockDrafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    output: OutputStream,
+    budget: int,
+    width: int,
+) -> Iterator[str | GenerationResult]:
+    """Yield text deltas as rounds commit tokens, then the :class:`GenerationResult`."""
+    t0 = time.perf_counter()
+    stats = SpeculativeStats(device=target.device)
+    generator = params.make_generator(target.device)
+    pre = target.prefill(prompt_ids)
+    drafter.reset()
+    drafter.extend(pre.hidden)
+    root = next_token(pre.logits[-1], params, generator)
+    prefill_s = time.perf_counter() - t0
+    finished = output.add(root)
+    while not finished:
+        if delta := output.drain():
+            yield delta
+        room = target.max_context - target.past_len - 1  # deepest node that still fits the context
+        if room < 0:
+            output.finish("length")
+            break
+        with stats.timed("draft"):
+            lp = drafter.depth_logprobs(root, target.past_len)[:room]
+        with stats.timed("tree"):
+            tree = build_tree(lp, root, budget, width)
+        with stats.timed("verify"):
+            out = target.verify(tree.tokens, tree.parents)
+        with stats.timed("accept"):
+            path, bonus = accept_path(tree, out.logits, params, generator)
+        with stats.timed("commit"):
+            target.commit(path)
+            drafter.extend(out.hidden[path])
+        emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
+        stats.accept_lengths.append(len(emitted))
+        stats.tree_sizes.append(len(tree) - 1)
+        output.add_many(emitted)
+        finished = output.finished
+        root = bonus
+    if delta := output.drain():
+        yield delta
+    yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s,
+                                       method="jetflow",
+                                       stats={"budget": budget, "width": width, **stats.to_dict()})

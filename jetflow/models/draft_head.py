@@ -1,0 +1,229 @@
+"""The JetFlow block draft head (and, with ``attention="bidirectional"``, the DFlash baseline).
+
+The head reads the target's hidden states at the tapped layers, fuses them (concat -> ``fc`` ->
+``hidden_norm``) and injects the fused context as extra keys/values into every one of its decoder
+layers. Its queries are one block ``[anchor, MASK x (B-1)]`` at absolute positions; one forward gives
+the distribution of the token at every depth 1..B-1. Embedding and LM head are the target's.
+
+Weights and config follow the DFlash naming (``layers.N.self_attn.q_proj``, ``fc``, ``hidden_norm``,
+``dflash_config``) so checkpoints can be exported to vLLM without renaming.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from jetflow.errors import JetFlowError
+from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
+from jetflow.utils.fs import atomic_directory
+
+ATTENTION_KINDS = ("causal", "bidirectional")
+
+
+class DrafterMismatchError(JetFlowError):
+    """A drafter checkpoint does not fit the target (or is not a drafter checkpoint at all)."""
+
+
+@dataclass
+class DraftHeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_hidden_layers: int = 2
+    block_size: int = 16
+    attention: str = "causal"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    target: dict = field(default_factory=dict)  # identity of the target the head was built for
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must not be empty")
+
+    @classmethod
+    def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
+                   mask_token_id: int | None = None) -> "DraftHeadConfig":
+        """A head shaped like the target's own layers (same width, heads and RoPE)."""
+        c = target.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab_size=c.vocab_size,
+            mask_token_id=choose_mask_token_id(target.tokenizer, c.vocab_size) if mask_token_id is None else mask_token_id,
+            target_layer_ids=list(target.tapped_layers),
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            attention=attention,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            max_position_embeddings=target.max_context,
+            target=target.identity(),
+        )
+
+    def to_json(self) -> dict:
+        """config.json in the DFlash layout (a Qwen3-style config plus ``dflash_config``)."""
+        d = asdict(self)
+        mask_token_id, layer_ids = d.pop("mask_token_id"), d.pop("target_layer_ids")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+        return {
+            "architectures": ["JetFlowDraftModel"],
+            "model_type": "qwen3",
+            **d,
+            "num_target_layers": self.target.get("num_hidden_layers"),
+            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids,
+                              "causal": self.attention == "causal"},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DraftHeadConfig":
+        d = dict(d)
+        dflash = d.pop("dflash_config")
+        rope = d.pop("rope_parameters", {}) or {}
+        names = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        return cls(mask_token_id=dflash["mask_token_id"], target_layer_ids=list(dflash["target_layer_ids"]),
+                   rope_theta=rope.get("rope_theta", 10000.0), **kwargs)
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """A token id for the MASK slots: the tokenizer's mask token, else an unused special token."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    busy = {getattr(tokenizer, a, None) for a in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in getattr(tokenizer, "all_special_tokens", [])]
+    candidates = [i for i in specials + [getattr(tokenizer, "unk_token_id", None)]
+                  if i is not None and i not in busy and 0 <= i < vocab_size]
+    return max(candidates) if candidates else vocab_size - 1
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__()
+        self.config = c = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.rms_norm_eps)
+            for _ in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    # ---------------------------------------------------------------- forward pieces
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Tapped target hidden states [..., C, taps*H] -> fused context features [..., C, H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values of the fused context, each [..., kv_heads, C, head_dim]."""
+        cos, sin = self.rotary.cos_sin(positions, fused.dtype)
+        return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds, positions, context_kv, mask) -> torch.Tensor:
+        """Block hidden states after the final norm, [..., Q, H].
+
+        block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
+        context_kv from :meth:`context_kv`, mask boolean [..., Q, C+Q] over [context, block]."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, mask, k, v)
+        return self.norm(x)
+
+    def block_mask(self, context_len: int, device=None) -> torch.Tensor:
+        """Inference mask for one block after ``context_len`` context tokens: [B, C+B]."""
+        b = self.config.block_size
+        inner = torch.ones(b, b, dtype=torch.bool, device=device)
+        if self.config.attention == "causal":
+            inner = inner.tril()
+        return torch.cat([torch.ones(b, context_len, dtype=torch.bool, device=device), inner], dim=1)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` atomically (optionally cast, e.g. bf16)."""
+        path = Path(path)
+        state = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        with atomic_directory(path.parent / (path.name + ".new")) as tmp:
+            (tmp / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        # Replace an older checkpoint only once the new one is complete.
+        old = path.parent / (path.name + ".old")
+        if path.exists():
+            path.rename(old)
+        (path.parent / (path.name + ".new")).rename(path)
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target=None, device=None, dtype: torch.dtype | None = None) -> "DraftHead":
+        """Load a checkpoint dir; with ``target``, refuse one built for a different target."""
+        path = Path(path)
+        cfg_file, weights = path / "config.json", path / "model.safetensors"
+        if not cfg_file.is_file() or not weights.is_file():
+            raise DrafterMismatchError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
+        try:
+            config = DraftHeadConfig.from_json(json.loads(cfg_file.read_text()))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
+        if target is not None:
+            check_compatible(config, target)
+        head = cls(config)
+        state = load_file(weights)
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterMismatchError(f"{weights} does not match its config: missing {missing[:4]}, "
+                                       f"unexpected {unexpected[:4]}")
+        head.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        return head
+
+
+def check_compatible(config: DraftHeadConfig, target) -> None:
+    """Raise DrafterMismatchError naming every size in which the drafter and the target differ."""
+    ident = target.identity()
+    problems = [f"{key}: drafter was built for {config.target.get(key)}, target has {ident[key]}"
+                for key in ("vocab_size", "hidden_size", "num_hidden_layers")
+                if config.target.get(key) is not None and config.target.get(key) != ident[key]]
+    if config.vocab_size != target.vocab_size and not any("vocab" in p for p in problems):
+        problems.append(f"vocab_size: drafter has {config.vocab_size}, target has {target.vocab_size}")
+    if config.hidden_size != target.hidden_size and not any("hidden" in p for p in problems):
+        problems.append(f"hidden_size: drafter has {config.hidden_size}, target has {target.hidden_size}")
+    bad_taps = [t for t in config.target_layer_ids if not 0 <= t < target.num_layers]
+    if bad_taps:
+        problems.append(f"target_layer_ids {bad_taps} do not exist in a {target.num_layers}-layer target")
+    if problems:
+        raise DrafterMismatchError(
+            f"drafter for {config.target.get('name', 'an unknown target')!r} does not fit target {target.name!r}: "
+            + "; ".join(problems))

@@ -1,0 +1,97 @@
+"""Qwen3-style transformer building blocks shared by the draft heads: RMSNorm, RoPE, GQA attention
+with q/k norms and an optional injected key/value context, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (the rotate-half convention of Llama/Qwen)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
+                             persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., heads, T, head_dim]; cos/sin: [..., T, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos.unsqueeze(-3) + rotated * sin.unsqueeze(-3)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:  # [..., T, heads*d] -> [..., heads, T, d]
+        return x.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values of ``x`` ([..., T, hidden]) -> [..., kv_heads, T, d] each."""
+        k = Rotary.apply(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), cos, sin)
+        return k, self._split(self.v_proj(x), self.kv_heads)
+
+    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None):
+        """Queries from ``x``; keys/values from the injected context (if any) followed by ``x``.
+
+        mask: boolean [..., T, C+T] (True = may attend) over [context, x]."""
+        q = Rotary.apply(self.q_norm(self._split(self.q_proj(x), self.heads)), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        if ctx_k is not None:
+            k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3), enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(-2, -3).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, intermediate)
+
+    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, ctx_k, ctx_v)
+        return x + self.mlp(self.post_attention_layernorm(x))

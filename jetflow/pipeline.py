@@ -1,0 +1,72 @@
+"""``JetFlow``: a target plus (optionally) a draft head, behind one generate/stream API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from jetflow.decoding.api import prepare_request
+from jetflow.decoding.autoregressive import autoregressive_stream
+from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.speculative import speculative_stream
+from jetflow.errors import InvalidRequestError
+from jetflow.models.draft_head import DraftHead
+from jetflow.models.target import TargetModel
+
+DEFAULT_BUDGET = 64
+DEFAULT_WIDTH = 7
+
+
+class JetFlow:
+    def __init__(self, target: TargetModel, head: DraftHead | None = None, *, budget: int = DEFAULT_BUDGET,
+                 width: int = DEFAULT_WIDTH):
+        self.target = target
+        self.drafter = BlockDrafter(head, target) if head is not None else None
+        self.budget, self.width = _check_tree_args(budget, width)
+
+    @classmethod
+    def from_pretrained(cls, target: str | TargetModel | None = None, drafter: str | Path | DraftHead | None = None,
+                        *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        **defaults) -> "JetFlow":
+        """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded TargetModel.
+        ``drafter``: a checkpoint directory, a DraftHead, or None/"none" for plain decoding."""
+        if not isinstance(target, TargetModel):
+            target = TargetModel.load(target, device=device, dtype=dtype)
+        head = drafter
+        if isinstance(drafter, str) and drafter.lower() == "none":
+            head = None
+        elif isinstance(drafter, (str, Path)):
+            head = DraftHead.from_pretrained(drafter, target=target, device=target.device)
+        if head is not None:
+            head = head.to(device=target.device, dtype=target.dtype)
+        return cls(target, head, **defaults)
+
+    def stream(self, prompt, *, budget: int | None = None, width: int | None = None,
+               **request) -> Iterator[str | GenerationResult]:
+        """Yield text deltas, then the :class:`GenerationResult` (with tau/rounds in ``stats``).
+        Request keywords: max_new_tokens, temperature, top_k, top_p, seed, stop, chat."""
+        budget, width = _check_tree_args(self.budget if budget is None else budget,
+                                         self.width if width is None else width)
+        prompt_ids, params, output = prepare_request(self.target, prompt, **request)
+        if self.drafter is None:
+            return autoregressive_stream(self.target, prompt_ids, params, output)
+        return speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
+
+    def generate(self, prompt, *, stream: bool = False, **kwargs):
+        """A :class:`GenerationResult`, or with ``stream=True`` the iterator of :meth:`stream`."""
+        events = self.stream(prompt, **kwargs)
+        if stream:
+            return events
+        *_, result = events
+        return result
+
+
+def _check_tree_args(budget, width) -> tuple[int, int]:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidRequestError(f"budget must be an integer >= 0 (draft nodes per round), got {budget!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise InvalidRequestError(f"width must be an integer >= 1, got {width!r}")
+    return budget, width

@@ -1,0 +1,88 @@
+"""Draft trees: the plain structure and the best-first builder over per-depth candidates.
+
+A block head gives one distribution per depth, the same for every path (the draft is parallel), so
+each depth offers its top-w tokens as candidates and a node's score is the cumulative draft
+log-probability of its path. Best-first search pops the highest-scoring frontier node; popping a
+node offers (a) its next-ranked sibling and (b) its first-ranked child. Because candidates are
+sorted and log-probabilities are <= 0, this lazy frontier yields nodes in exactly descending score
+order, and every node's parent is already in the tree.
+
+``budget`` counts draft nodes; the root (the anchor token, already decided by the target) is node 0
+and is not counted, so the verify forward processes ``budget + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # tokens[0] is the root (anchor)
+    parents: list[int]  # parents[0] == -1
+    depths: list[int]
+    scores: list[float]  # cumulative draft log-probability (root: 0)
+    children: list[dict[int, int]] = field(default_factory=list)  # token -> child node, per node
+
+    def __post_init__(self):
+        if not self.children:
+            self.children = [{} for _ in self.tokens]
+            for node, parent in enumerate(self.parents):
+                if parent >= 0:
+                    self.children[parent][self.tokens[node]] = node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        self.children.append({})
+        self.children[parent][token] = node
+        return node
+
+    @classmethod
+    def root_only(cls, token: int) -> "DraftTree":
+        return cls([int(token)], [-1], [0], [0.0])
+
+
+def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width: int) -> DraftTree:
+    """Best-first tree over per-depth log-probabilities [D, V] (row d-1 = depth d).
+
+    Adds at most ``budget`` draft nodes with depth <= D, each depth offering its top-``width`` tokens.
+    ``width=1`` gives a chain (DFlash's draft).
+    """
+    if budget < 0 or width < 1:
+        raise ValueError(f"budget must be >= 0 and width >= 1 (got {budget}, {width})")
+    tree = DraftTree.root_only(root_token)
+    max_depth = depth_logprobs.shape[0]
+    if budget == 0 or max_depth == 0:
+        return tree
+    w = min(width, depth_logprobs.shape[1])
+    top_lp, top_ids = depth_logprobs.float().topk(w, dim=-1)
+    lp, ids = top_lp.tolist(), top_ids.tolist()  # one transfer; the search itself is pure Python
+    # Frontier entries: (-score, tie-breaker, parent node, depth, rank).
+    frontier = [(-lp[0][0], 0, 0, 1, 0)]
+    counter = 1
+    while frontier and len(tree) - 1 < budget:
+        neg, _, parent, depth, rank = heapq.heappop(frontier)
+        score = -neg
+        node = tree.add(ids[depth - 1][rank], parent, score)
+        if rank + 1 < w:  # next-best sibling under the same parent
+            sib = tree.scores[parent] + lp[depth - 1][rank + 1]
+            heapq.heappush(frontier, (-sib, counter, parent, depth, rank + 1))
+            counter += 1
+        if depth < max_depth:  # best child
+            heapq.heappush(frontier, (-(score + lp[depth][0]), counter, node, depth + 1, 0))
+            counter += 1
+    return tree

@@ -1,0 +1,123 @@
+import json
+
+import pytest
+import torch
+
+from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig, DrafterMismatchError
+from jetflow.models.target import TargetModel
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+
+
+def make_head(target, attention="causal", seed=0, **kw):
+    torch.manual_seed(seed)
+    return DraftHead(DraftHeadConfig.for_target(target, attention=attention, block_size=6, **kw))
+
+
+@pytest.mark.parametrize("attention", ["causal", "bidirectional"])
+def test_block_attention_mask_semantics(target, attention):
+    """Causal: slot j's output must not change when slots > j change. Bidirectional: it must."""
+    head = make_head(target, attention).eval()
+    torch.manual_seed(1)
+    ctx = head.context_kv(head.fuse(torch.randn(5, 2 * 64)), torch.arange(5))
+    block = torch.randn(6, 64)
+    positions = torch.arange(5, 11)
+    mask = head.block_mask(5)
+    assert mask.shape == (6, 11) and mask[:, :5].all()
+    base = head(block, positions, ctx, mask)
+    for j in range(5):
+        changed = block.clone()
+        changed[j + 1:] = torch.randn(5 - j, 64)
+        out = head(changed, positions, ctx, mask)
+        same = torch.allclose(out[: j + 1], base[: j + 1], atol=1e-6)
+        assert same == (attention == "causal")
+
+
+def brute_force_block_attention(head, block, positions, fused_ctx, ctx_positions, attention):
+    """The head's forward recomputed per query slot with explicit key lists: every slot attends to
+    the whole context and to the block slots it is allowed to see."""
+    outs = []
+    for j in range(block.shape[0]):
+        visible = list(range(j + 1)) if attention == "causal" else list(range(block.shape[0]))
+        # Run the full head on [visible slots] and read slot j: attention of slot j only depends on
+        # the keys it may see, so dropping the others must not change it.
+        ctx = head.context_kv(fused_ctx, ctx_positions)
+        sub = block[visible]
+        mask = torch.ones(len(visible), fused_ctx.shape[0] + len(visible), dtype=torch.bool)
+        out = head(sub, positions[visible], ctx, mask)
+        outs.append(out[visible.index(j)])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("attention", ["causal", "bidirectional"])
+def test_head_matches_brute_force(target, attention):
+    head = make_head(target, attention, num_hidden_layers=1).eval()
+    torch.manual_seed(2)
+    fused = head.fuse(torch.randn(4, 2 * 64))
+    block, positions = torch.randn(6, 64), torch.arange(4, 10)
+    got = head(block, positions, head.context_kv(fused, torch.arange(4)), head.block_mask(4))
+    ref = brute_force_block_attention(head, block, positions, fused, torch.arange(4), attention)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_incremental_context_equals_full_context(target):
+    head = make_head(target).eval()
+    torch.manual_seed(3)
+    feats = torch.randn(9, 2 * 64)
+    one, inc = BlockDrafter(head, target), BlockDrafter(head, target)
+    one.extend(feats)
+    for piece in (feats[:4], feats[4:5], feats[5:]):
+        inc.extend(piece)
+    torch.testing.assert_close(one.depth_logprobs(7, 9), inc.depth_logprobs(7, 9), atol=1e-5, rtol=0)
+    assert one.depth_logprobs(7, 9).shape == (5, target.vocab_size)
+    with pytest.raises(RuntimeError, match="anchor"):
+        one.depth_logprobs(7, 8)
+
+
+def test_checkpoint_roundtrip_and_format(target, tmp_path):
+    head = make_head(target, "bidirectional")
+    path = head.save_pretrained(tmp_path / "drafter")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["dflash_config"] == {"mask_token_id": head.config.mask_token_id, "target_layer_ids": [0, 2],
+                                    "causal": False}
+    assert cfg["target"]["vocab_size"] == 272 and cfg["block_size"] == 6
+    names = set(head.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.q_norm.weight", "layers.1.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    loaded = DraftHead.from_pretrained(path, target=target)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+    bf16 = DraftHead.from_pretrained(head.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16))
+    assert bf16.fc.weight.dtype == torch.bfloat16
+    # Saving over an existing checkpoint replaces it whole.
+    make_head(target, seed=5).save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["attention"] == "causal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16", "drafter"]
+
+
+def test_mismatched_target_is_refused_with_the_reason(target, tokenizer, tmp_path):
+    path = make_head(target).save_pretrained(tmp_path / "d")
+    other = TargetModel(tiny_model("llama", vocab_size=300), tokenizer, tapped_layers=[0])
+    with pytest.raises(DrafterMismatchError, match="vocab_size: drafter was built for 272, target has 300"):
+        DraftHead.from_pretrained(path, target=other)
+    with pytest.raises(DrafterMismatchError, match="not a drafter checkpoint"):
+        DraftHead.from_pretrained(tmp_path)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(DrafterMismatchError, match="not a valid drafter config"):
+        DraftHead.from_pretrained(tmp_path / "bad")
+
+
+def test_config_validation(target):
+    with pytest.raises(ValueError, match="attention"):
+        DraftHeadConfig.for_target(target, attention="sideways")
+    with pytest.raises(ValueError, match="block_size"):
+        DraftHeadConfig.for_target(target, block_size=1)
