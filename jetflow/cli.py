@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from jetflow.errors import JetFlowError
 
@@ -17,10 +18,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
 
 
-def _load_target(args):
+def _device_and_dtype(args):
     import torch
-
-    from jetflow.models.target import TargetModel
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
@@ -28,7 +27,25 @@ def _load_target(args):
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise JetFlowError(f"device {device!r} is not usable here: {e}") from None
-    return TargetModel.load(args.target, device=device, dtype=dtype)
+    return device, dtype
+
+
+def _load_jetflow(args):
+    from jetflow.pipeline import JetFlow
+
+    device, dtype = _device_and_dtype(args)
+    drafter = args.drafter
+    if drafter is not None and drafter.lower() != "none" and not Path(drafter).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
+    return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype,
+                                   budget=args.budget, width=args.width)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -39,32 +56,46 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jetflow.decoding.api import stream
+    from jetflow.decoding.api import generate as autoregressive_generate
     from jetflow.decoding.sampling import SamplingParams
 
     # Fail on bad input before spending seconds on loading a model.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if not args.prompt.strip():
         raise JetFlowError("empty prompt")
-    target = _load_target(args)
-    events = stream(target, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
+    jf = _load_jetflow(args)
+    request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
     result = None
-    for event in events:
+    for event in jf.stream(args.prompt, **request):
         if isinstance(event, str):
             if not args.json:
                 sys.stdout.write(event)
                 sys.stdout.flush()
         else:
             result = event
+    lossless = None
+    if args.check_lossless:
+        reference = autoregressive_generate(jf.target, args.prompt, **request)
+        lossless = reference.token_ids == result.token_ids
     if args.json:
         out = result.to_dict()
-        out["target"] = target.name
+        out.update(target=jf.target.name, drafter=args.drafter)
+        for key in ("tau", "rounds", "accept_lengths"):
+            out[key] = result.stats.get(key)
+        if lossless is not None:
+            out["lossless"] = lossless
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s, "
+        extra = f", tau {result.stats['tau']:.2f} over {result.stats['rounds']} rounds" if "tau" in result.stats else ""
+        print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s{extra}, "
               f"finish: {result.finish_reason}]", file=sys.stderr)
+    if lossless is False:
+        print("jetflow: error: speculative output differs from autoregressive output", file=sys.stderr)
+        return 1
+    if lossless:
+        print("[lossless check passed: identical to autoregressive decoding]", file=sys.stderr)
     return 0
 
 
@@ -84,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--drafter", default=None,
+                   help="draft head checkpoint dir, or 'none' for plain autoregressive decoding (default: none)")
+    g.add_argument("--budget", type=_non_negative_int, default=64, help="draft tree nodes per round (root not counted)")
+    g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
+    g.add_argument("--check-lossless", action="store_true",
+                   help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
     return parser

@@ -38,3 +38,34 @@ def test_argparse_rejects_bad_numbers(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "x", "--max-new-tokens", "0"])
     assert e.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_dir, tmp_path_factory):
+    import torch
+
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+    from jetflow.models.target import TargetModel
+
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
+    return head.save_pretrained(tmp_path_factory.mktemp("drafter") / "head")
+
+
+def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_drafter, capsys):
+    rc = main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+               "--max-new-tokens", "12", "--budget", "16", "--width", "3", "--check-lossless"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lossless"] is True and out["rounds"] >= 1 and out["tau"] >= 1
+    assert len(out["accept_lengths"]) == out["rounds"]
+
+
+def test_drafter_errors(tiny_dir, tmp_path, capsys):
+    assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path / "nope")]) == 2
+    assert "drafter checkpoint directory not found" in capsys.readouterr().err
+    assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path)]) == 2
+    assert "not a drafter checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--budget", "-1"])

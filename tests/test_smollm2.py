@@ -62,3 +62,36 @@ def test_cli_generate_json_on_default_model():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["target"] == "smollm2-135m-instruct" and out["new_tokens"] > 0 and out["tokens_per_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_random_jetflow(smollm2):
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(smollm2, num_hidden_layers=1))
+    return jetflow.JetFlow(smollm2, head)
+
+
+@pytest.mark.parametrize("budget, width", [(1, 7), (8, 7), (64, 7), (256, 7), (16, 1)])
+def test_speculative_greedy_equals_autoregressive(smollm2_random_jetflow, budget, width):
+    ar = jetflow.generate(smollm2_random_jetflow.target, PROMPTS[0], max_new_tokens=16)
+    spec = smollm2_random_jetflow.generate(PROMPTS[0], max_new_tokens=16, budget=budget, width=width)
+    assert spec.token_ids == ar.token_ids
+
+
+def test_speculative_long_rounds_hit_eos_mid_round(smollm2):
+    """An oracle drafter (the target itself) gets long runs accepted; EOS lands inside a round."""
+    from jetflow.decoding.api import prepare_request
+    from jetflow.decoding.autoregressive import autoregressive_stream
+    from jetflow.decoding.speculative import speculative_stream
+    from tiny import OracleDrafter
+
+    request = dict(max_new_tokens=64)
+    ids, params, out = prepare_request(smollm2, "What is 2+2? Answer with one number.", **request)
+    *_, ar = autoregressive_stream(smollm2, ids, params, out)
+    assert ar.finish_reason == "stop"
+    ids, params, out = prepare_request(smollm2, "What is 2+2? Answer with one number.", **request)
+    *_, spec = speculative_stream(smollm2, OracleDrafter(smollm2, block_size=8), ids, params, out, 32, 3)
+    assert spec.token_ids == ar.token_ids and spec.finish_reason == "stop"
+    assert spec.stats["tau"] > 3

@@ -1,0 +1,73 @@
+"""Speculative decoder benchmark: tau and tokens/s per budget against the autoregressive loop.
+
+    python benchmarks/bench_decoder.py --drafter DIR --budgets 16,64
+    python benchmarks/bench_decoder.py --random-head 2 --budgets 16,64   # untrained head: tau ~ 1,
+                                                                          # measures the loop's overhead
+Greedy; every speculative output is checked against the autoregressive one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import jetflow
+from bench_target import PROMPTS, machine
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--random-head", type=int, default=None, metavar="LAYERS",
+                    help="use an untrained head with this many layers instead of --drafter")
+    ap.add_argument("--budgets", default="16,64")
+    ap.add_argument("--width", type=int, default=7)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if (args.drafter is None) == (args.random_head is None):
+        ap.error("give exactly one of --drafter and --random-head")
+
+    target = TargetModel.load(args.target)
+    if args.drafter:
+        head = DraftHead.from_pretrained(args.drafter, target=target)
+    else:
+        torch.manual_seed(0)
+        head = DraftHead(DraftHeadConfig.for_target(target, num_hidden_layers=args.random_head))
+    jf = jetflow.JetFlow(target, head.to(dtype=target.dtype), width=args.width)
+    jetflow.generate(target, PROMPTS[0], max_new_tokens=8)  # warm-up
+    jf.generate(PROMPTS[0], max_new_tokens=8)
+
+    ar = [jetflow.generate(target, p, max_new_tokens=args.new_tokens) for p in PROMPTS]
+    ar_tps = sum(r.new_tokens for r in ar) / sum(r.seconds for r in ar)
+    rows = [{"method": "ar", "tokens_per_s": ar_tps}]
+    print(f"ar: {ar_tps:.1f} tok/s")
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        runs = [jf.generate(p, max_new_tokens=args.new_tokens, budget=budget) for p in PROMPTS]
+        for r, ref in zip(runs, ar):
+            if r.token_ids != ref.token_ids:
+                sys.exit(f"LOSSLESSNESS VIOLATION at budget {budget}: speculative output differs from AR")
+        tokens = sum(r.new_tokens for r in runs)
+        seconds = sum(r.seconds for r in runs)
+        rounds = sum(r.stats["rounds"] for r in runs)
+        split = {k: sum(r.stats["time_split"][k] for r in runs) / rounds * 1e3 for k in runs[0].stats["time_split"]}
+        row = {"method": "jetflow", "budget": budget, "width": args.width,
+               "tau": sum(sum(r.stats["accept_lengths"]) for r in runs) / rounds,
+               "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / ar_tps, "ms_per_round": split}
+        rows.append(row)
+        print(f"jetflow budget {budget:4d}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
+              f"speed-up {row['speedup']:.2f}x, per round ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
