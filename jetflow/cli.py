@@ -99,6 +99,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    from jetflow.data.prompts import load_prompts
+    from jetflow.data.regenerate import regenerate
+
+    mix = None
+    if args.mix:
+        try:
+            mix = {k: float(v) for k, v in (item.split("=", 1) for item in args.mix.split(","))}
+        except ValueError:
+            raise JetFlowError(f"--mix must look like gsm8k-train=0.5,sharegpt=0.5, got {args.mix!r}") from None
+    if args.temperature < 0:
+        raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
+    prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix)
+    if not prompts:
+        raise JetFlowError(f"no prompts loaded from {args.prompts!r}")
+    target = _load_jetflow_target(args)
+    manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                          shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
+                          sources=args.prompts)
+    print(json.dumps({"out": str(args.out), "complete": manifest["complete"], **manifest["totals"],
+                      "wall_seconds": round(manifest["wall_seconds"], 1)}))
+    return 0
+
+
+def _load_jetflow_target(args):
+    from jetflow.models.target import TargetModel
+
+    device, dtype = _device_and_dtype(args)
+    return TargetModel.load(args.target, device=device, dtype=dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("regenerate", help="answer training prompts with the target itself (sharded, resumable)")
+    _add_target_args(r)
+    r.add_argument("--prompts", required=True,
+                   help="comma-separated sources: gsm8k-train, math-train, sharegpt, or .jsonl files")
+    r.add_argument("--num", type=_positive_int, default=None, help="number of prompts (default: all)")
+    r.add_argument("--mix", default=None, help="source ratios, e.g. gsm8k-train=0.6,sharegpt=0.4")
+    r.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    r.add_argument("--batch-size", type=_positive_int, default=32)
+    r.add_argument("--shard-size", type=_positive_int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True, type=Path)
+    r.set_defaults(func=cmd_regenerate)
     return parser
 
 

@@ -1,0 +1,61 @@
+"""Turning a regenerated sequence into draft-head training blocks.
+
+For an anchor at position a, the block is ``[token a, MASK x (B-1)]`` at positions a..a+B-1. It sees
+the target features of positions < a (what the decoder would have committed), and inside the block
+it is causal (JetFlow) or bidirectional (DFlash); blocks of the same sequence never see each other,
+so all of them train in one forward. Slot k >= 1 learns the token at position a+k, whose teacher is
+the target's next-token distribution at position a+k-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockBatch:
+    anchors: torch.Tensor  # [K] anchor positions
+    block_ids: torch.Tensor  # [K*B] input tokens (anchor, then MASK ids)
+    positions: torch.Tensor  # [K*B] absolute positions a+j
+    teacher_index: torch.Tensor  # [K*B] sequence position whose target distribution teaches the slot
+    labels: torch.Tensor  # [K*B] the regenerated token at a+j (SFT label)
+    loss_mask: torch.Tensor  # [K*B] bool: slot j >= 1 and a+j inside the answer
+    depth: torch.Tensor  # [K*B] slot index j (0 = anchor)
+
+
+def sample_anchors(prompt_len: int, seq_len: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``count`` distinct anchor positions in [prompt_len, seq_len-2], sorted (every anchor has
+    at least one answer token after it)."""
+    lo, hi = prompt_len, seq_len - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    n = hi - lo + 1
+    picks = torch.randperm(n, generator=generator)[: min(count, n)]
+    return (picks + lo).sort().values
+
+
+def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> BlockBatch:
+    """Blocks for one sequence ``tokens`` [T] (prompt + answer) and its ``anchors`` [K]."""
+    seq_len = tokens.shape[0]
+    j = torch.arange(block_size)
+    pos = (anchors[:, None] + j[None, :]).flatten()
+    depth = j.repeat(anchors.shape[0])
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[depth == 0] = tokens[anchors]
+    inside = pos < seq_len
+    labels = torch.where(inside, tokens[pos.clamp(max=seq_len - 1)], torch.zeros_like(pos))
+    return BlockBatch(anchors, block_ids, pos, (pos - 1).clamp(min=0), labels, inside & (depth > 0), depth)
+
+
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool) -> torch.Tensor:
+    """Boolean [K*B, T + K*B] mask over [context positions 0..T-1, all block slots]."""
+    k = anchors.shape[0]
+    slot_anchor = anchors.repeat_interleave(block_size)  # [K*B]
+    ctx = torch.arange(seq_len)[None, :] < slot_anchor[:, None]  # prefix strictly before the anchor
+    block_of = torch.arange(k).repeat_interleave(block_size)
+    depth = torch.arange(block_size).repeat(k)
+    same_block = block_of[:, None] == block_of[None, :]
+    inner = same_block & (depth[None, :] <= depth[:, None]) if causal else same_block
+    return torch.cat([ctx, inner], dim=1)

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from jetflow.training.blocks import make_blocks, sample_anchors, training_mask
+from jetflow.training.losses import block_loss, depth_weights, slot_losses
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_training_mask_matches_brute_force(causal):
+    anchors, T, B = torch.tensor([3, 5, 9]), 12, 4
+    mask = training_mask(anchors, T, B, causal)
+    assert mask.shape == (3 * B, T + 3 * B)
+    for q in range(3 * B):
+        block, slot = divmod(q, B)
+        for key in range(T + 3 * B):
+            if key < T:
+                expected = key < int(anchors[block])  # the prefix before its own anchor only
+            else:
+                kb, ks = divmod(key - T, B)
+                expected = kb == block and (ks <= slot if causal else True)
+            assert bool(mask[q, key]) == expected, (q, key)
+
+
+def test_teacher_indexing_on_hand_built_sequence():
+    # prompt = [100, 101, 102], answer = [7, 8, 9, 10]; anchor at position 4 (token 8), B = 4
+    tokens = torch.tensor([100, 101, 102, 7, 8, 9, 10])
+    b = make_blocks(tokens, torch.tensor([4]), block_size=4, mask_token_id=0)
+    assert b.block_ids.tolist() == [8, 0, 0, 0]
+    assert b.positions.tolist() == [4, 5, 6, 7]
+    # slot k is the token at 4+k, taught by the target's distribution at 4+k-1
+    assert b.teacher_index.tolist()[1:3] == [4, 5]
+    assert b.labels.tolist()[1:3] == [9, 10]
+    assert b.loss_mask.tolist() == [False, True, True, False]  # slot 3 would be position 7: past the end
+    assert b.depth.tolist() == [0, 1, 2, 3]
+
+
+def test_anchor_sampling_stays_inside_the_answer():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = sample_anchors(5, 20, 6, g)
+        assert len(a) == 6 and a.min() >= 5 and a.max() <= 18 and torch.equal(a, a.sort().values)
+    assert len(sample_anchors(5, 6, 4, g)) == 0
+    assert sample_anchors(5, 8, 10, g).tolist() == [5, 6]
+
+
+def test_losses_match_direct_formulas():
+    g = torch.Generator().manual_seed(0)
+    d, t = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    labels = torch.tensor([1, 2, 3, 4, 5])
+    T = 2.0
+    p, q = (t / T).softmax(-1), (d / T).softmax(-1)
+    fkl = (p * (p.log() - q.log())).sum(-1) * T * T
+    rkl = (q * (q.log() - p.log())).sum(-1) * T * T
+    sft = -d.log_softmax(-1)[torch.arange(5), labels]
+    torch.testing.assert_close(slot_losses(d, t, labels, "fkl", T), fkl)
+    torch.testing.assert_close(slot_losses(d, t, labels, "rkl", T), rkl)
+    torch.testing.assert_close(slot_losses(d, None, labels, "sft"), sft)
+    assert torch.all(slot_losses(t, t, labels, "fkl") < 1e-6)
+    depth = torch.tensor([0, 1, 2, 3, 1])
+    mask = torch.tensor([False, True, True, True, True])
+    w = depth_weights(depth, 2.0)
+    assert w[1] == 1 and torch.isclose(w[2], torch.exp(torch.tensor(-0.5)))
+    expected = (fkl[1:] * w[1:]).sum() / w[1:].sum()
+    torch.testing.assert_close(block_loss(d, t, labels, mask, depth, "fkl", T, gamma=2.0), expected)
+    with pytest.raises(ValueError):
+        slot_losses(d, t, labels, "l2")
+
+
+@pytest.mark.parametrize("attention", ["causal", "bidirectional"])
+def test_training_forward_equals_inference_drafting(tokenizer, attention):
+    """All blocks of a sequence trained in one forward see exactly what the decoder's drafter sees
+    when it drafts from that anchor."""
+    from jetflow.decoding.block_drafter import BlockDrafter
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+    from jetflow.models.target import TargetModel
+    from tiny import tiny_model
+
+    target = TargetModel(tiny_model("llama"), tokenizer, tapped_layers=[0, 2])
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, attention=attention, block_size=5)).eval()
+    tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
+    features = target.prefill(tokens.tolist()).hidden
+    anchors = torch.tensor([4, 9, 15])
+    blocks = make_blocks(tokens, anchors, 5, head.config.mask_token_id)
+    embed = target.model.get_input_embeddings()
+    with torch.no_grad():
+        ctx = head.context_kv(head.fuse(features), torch.arange(20))
+        hidden = head(embed(blocks.block_ids), blocks.positions, ctx, training_mask(anchors, 20, 5, attention == "causal"))
+        train_lp = target.model.get_output_embeddings()(hidden).log_softmax(-1).view(3, 5, -1)[:, 1:]
+    for i, a in enumerate(anchors.tolist()):
+        drafter = BlockDrafter(head, target)
+        drafter.extend(features[:a])
+        torch.testing.assert_close(train_lp[i], drafter.depth_logprobs(int(tokens[a]), a), atol=1e-4, rtol=0)
