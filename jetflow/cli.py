@@ -123,6 +123,24 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
+
+    config = TrainConfig(loss=args.loss, kl_temperature=args.kl_temperature, gamma=args.gamma,
+                         attention=args.attention, block_size=args.block_size, anchors_per_seq=args.anchors_per_seq,
+                         layers=args.layers, lr=args.lr, epochs=args.epochs, batch_size=args.batch,
+                         grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
+                         save_every=args.save_every, eval_every=args.eval_every)
+    target = _load_jetflow_target(args)
+    trainer = Trainer(target, load_sequences(args.data, target), args.out, config)
+    if args.resume and trainer.resume():
+        print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
+    elif (Path(args.out) / "trainer_state").exists() and not args.resume:
+        raise JetFlowError(f"{args.out} already holds a training run; pass --resume or choose another --out")
+    print(json.dumps(trainer.fit(max_steps=args.max_steps)))
+    return 0
+
+
 def _load_jetflow_target(args):
     from jetflow.models.target import TargetModel
 
@@ -168,6 +186,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", required=True, type=Path)
     r.set_defaults(func=cmd_regenerate)
+
+    t = sub.add_parser("train", help="train a draft head on regenerated data (online teacher, resumable)")
+    _add_target_args(t)
+    t.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
+    t.add_argument("--out", required=True, type=Path)
+    t.add_argument("--attention", choices=["causal", "bidirectional"], default="causal")
+    t.add_argument("--loss", choices=["fkl", "sft", "rkl"], default="fkl")
+    t.add_argument("--kl-temperature", type=float, default=1.0)
+    t.add_argument("--gamma", type=float, default=0.0, help="depth weighting exp(-(k-1)/gamma); 0 = uniform")
+    t.add_argument("--block-size", type=_positive_int, default=16)
+    t.add_argument("--anchors-per-seq", type=_positive_int, default=16)
+    t.add_argument("--layers", type=_positive_int, default=2)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--epochs", type=_positive_int, default=1)
+    t.add_argument("--batch", type=_positive_int, default=4, help="sequences per step and process")
+    t.add_argument("--grad-accum", type=_positive_int, default=1)
+    t.add_argument("--warmup", type=_non_negative_int, default=20)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=_positive_int, default=100)
+    t.add_argument("--eval-every", type=_positive_int, default=100)
+    t.add_argument("--max-steps", type=_positive_int, default=None, help="stop after this step (resumable)")
+    t.add_argument("--resume", action="store_true")
+    t.set_defaults(func=cmd_train)
     return parser
 
 

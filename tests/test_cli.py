@@ -69,3 +69,21 @@ def test_drafter_errors(tiny_dir, tmp_path, capsys):
     assert "not a drafter checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--budget", "-1"])
+
+
+def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
+    """regenerate -> train -> resume refusal, through the command line on a tiny target."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(5)))
+    assert main(["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "--out", str(tmp_path / "data")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["complete"] and summary["sequences"] == 5
+    args = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+            "--block-size", "4", "--layers", "1", "--batch", "2", "--epochs", "2", "--warmup", "1"]
+    assert main(args) == 0
+    assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    assert main(args) == 2 and "--resume" in capsys.readouterr().err
+    assert main(args + ["--resume"]) == 0
+    assert main(["train", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "manifest.json" in capsys.readouterr().err

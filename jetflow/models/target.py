@@ -190,6 +190,21 @@ class TargetModel:
         self._pending_tokens = ids.tolist()
         return out
 
+    @torch.inference_mode()
+    def features_and_logits(self, ids: Sequence[int] | torch.Tensor, logit_positions: torch.Tensor):
+        """Training-time forward without the cache: tapped hidden states of every position [T, taps*H]
+        and the logits at ``logit_positions`` only [P, V] (the LM head is the costly part)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(self.device)
+        self._capture = True
+        self._captured.clear()
+        try:
+            out = self.model(input_ids=ids[None], use_cache=False, logits_to_keep=logit_positions.to(self.device))
+        finally:
+            self._capture = False
+        hidden = torch.cat([self._captured[t][0] for t in self.tapped_layers], dim=-1)
+        self._captured.clear()
+        return hidden, out.logits[0]
+
     def _forward(self, ids: torch.Tensor, parents: list[int] | None, last_logits_only: bool, return_hidden: bool):
         n = ids.numel()
         if parents is None or is_chain(parents):
