@@ -117,7 +117,7 @@ def cmd_regenerate(args) -> int:
     target = _load_jetflow_target(args)
     manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
-                          sources=args.prompts)
+                          sources=args.prompts, mix=mix)
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"], **manifest["totals"],
                       "wall_seconds": round(manifest["wall_seconds"], 1)}))
     return 0

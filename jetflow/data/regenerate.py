@@ -65,13 +65,14 @@ def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens
 
 def regenerate(target: TargetModel, prompts: list[Prompt], out_dir: str | Path, *, max_new_tokens: int = 256,
                batch_size: int = 16, shard_size: int = 256, temperature: float = 0.0, seed: int = 0,
-               max_prompt_tokens: int = 1024, sources: str = "", progress: bool = True) -> dict:
+               max_prompt_tokens: int = 1024, sources: str = "", mix: dict | None = None,
+               progress: bool = True) -> dict:
     """Write ``shard-NNNNN.npz`` files (``shard_size`` prompts each) and ``manifest.json`` into
     ``out_dir``. Shards already present are kept, so a killed run continues where it stopped."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
-    settings = {"target": target.identity(), "sources": sources, "num_prompts": len(prompts),
+    settings = {"target": target.identity(), "sources": sources, "mix": mix, "num_prompts": len(prompts),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
                 "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens}
     if manifest_path.exists():
