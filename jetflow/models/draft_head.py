@@ -21,7 +21,7 @@ from torch import nn
 
 from jetflow.errors import JetFlowError
 from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
-from jetflow.utils.fs import atomic_directory
+from jetflow.utils.fs import replace_directory
 
 ATTENTION_KINDS = ("causal", "bidirectional")
 
@@ -173,18 +173,9 @@ class DraftHead(nn.Module):
         """Write ``config.json`` + ``model.safetensors`` atomically (optionally cast, e.g. bf16)."""
         path = Path(path)
         state = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        with atomic_directory(path.parent / (path.name + ".new")) as tmp:
+        with replace_directory(path) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        # Replace an older checkpoint only once the new one is complete.
-        old = path.parent / (path.name + ".old")
-        if path.exists():
-            path.rename(old)
-        (path.parent / (path.name + ".new")).rename(path)
-        if old.exists():
-            import shutil
-
-            shutil.rmtree(old)
         return path
 
     @classmethod

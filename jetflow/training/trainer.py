@@ -24,7 +24,7 @@ from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.training.blocks import make_blocks, sample_anchors, training_mask
 from jetflow.training.losses import LOSSES, block_loss
-from jetflow.utils.fs import atomic_directory
+from jetflow.utils.fs import replace_directory
 
 
 @dataclass
@@ -188,15 +188,9 @@ class Trainer:
         if self.rank != 0:
             return
         self.head.save_pretrained(self.out / "drafter")
-        state_dir = self.out / "trainer_state"
-        import shutil
-
-        with atomic_directory(self.out / "trainer_state.new") as tmp:
+        with replace_directory(self.out / "trainer_state") as tmp:
             torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
                         "config": asdict(self.config)}, tmp / "state.pt")
-        if state_dir.exists():
-            shutil.rmtree(state_dir)
-        (self.out / "trainer_state.new").rename(state_dir)
 
     def resume(self) -> bool:
         state_file = self.out / "trainer_state" / "state.pt"

@@ -36,3 +36,18 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replace_directory(final: Path) -> Iterator[Path]:
+    """Like :func:`atomic_directory`, but a completed block replaces an existing ``final`` (for
+    checkpoints that are rewritten as training goes on). The old copy is removed only after the new
+    one is in place."""
+    final = Path(final)
+    staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
+    with atomic_directory(staged) as tmp:
+        yield tmp
+    if final.exists():
+        final.rename(old)
+    staged.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
