@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from jetflow.data.prompts import Prompt
 from jetflow.data.shards import Sequence, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt, stop_token_ids
 from jetflow.errors import JetFlowError
+from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.target import TargetModel
 
 
@@ -35,7 +35,7 @@ def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache = PreallocatedCache(capacity=width + max_new_tokens)
     rows = list(range(len(prompts)))  # original index of each live batch row
     answers: list[list[int]] = [[] for _ in prompts]
     eos_t = torch.tensor(eos, device=device)
@@ -55,8 +55,7 @@ def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens
         if keep.numel() < len(rows):  # drop finished rows from the batch and the cache
             rows = [rows[i] for i in keep.tolist()]
             nxt, mask, positions = nxt[keep], mask[keep], positions[keep]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            cache.select_rows(keep)
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         positions = positions[:, -1:] + 1
         logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1]

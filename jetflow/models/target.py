@@ -1,7 +1,7 @@
 """The frozen target LLM as the speculative decoder drives it: prefill, tree verify, commit.
 
-Built on transformers model classes (Llama, Qwen2/Qwen3, Gemma 3 text, ...) with a ``DynamicCache``:
-transformers accepts a ready 4D additive mask plus explicit ``position_ids``, which is all a tree
+Built on transformers model classes (Llama, Qwen2/Qwen3, Gemma 3 text, ...) with a KV cache that appends in
+place (``PreallocatedCache``, a ``DynamicCache`` without the per-step copy): transformers accepts a ready 4D additive mask plus explicit ``position_ids``, which is all a tree
 verification needs, and the cache's per-layer key/value tensors can be compacted in place to keep
 only the accepted path. Hidden states of the tapped layers are read with forward hooks on the
 decoder layers, so the model never materialises all of its hidden states.
@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jetflow.errors import InvalidRequestError
+from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.resolve import ResolvedModel, resolve_model
 from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
 
@@ -116,7 +117,7 @@ class TargetModel:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache = PreallocatedCache()
         self.past_len = 0  # committed tokens in the cache
         self.token_ids: list[int] = []  # the committed tokens themselves
         self._pending_tokens: list[int] = []
