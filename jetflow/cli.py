@@ -130,15 +130,67 @@ def cmd_train(args) -> int:
                          attention=args.attention, block_size=args.block_size, anchors_per_seq=args.anchors_per_seq,
                          layers=args.layers, lr=args.lr, epochs=args.epochs, batch_size=args.batch,
                          grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
-                         save_every=args.save_every, eval_every=args.eval_every)
+                         save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab)
+    fractions = _fractions(args.snapshot_at)
+    _init_distributed()
     target = _load_jetflow_target(args)
-    trainer = Trainer(target, load_sequences(args.data, target), args.out, config)
+    trainer = Trainer(target, load_sequences(args.data, target), args.out, config, teacher_cache=args.teacher_cache)
     if args.resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
     elif (Path(args.out) / "trainer_state").exists() and not args.resume:
         raise JetFlowError(f"{args.out} already holds a training run; pass --resume or choose another --out")
-    print(json.dumps(trainer.fit(max_steps=args.max_steps)))
+    snapshots = tuple(max(1, round(f * trainer.total_steps)) for f in fractions)
+    result = trainer.fit(max_steps=args.max_steps, snapshots=snapshots)
+    if trainer.rank == 0:
+        print(json.dumps(result))
     return 0
+
+
+def _fractions(text: str | None) -> list[float]:
+    if not text:
+        return []
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise JetFlowError(f"--snapshot-at must be fractions like 0.25,0.5, got {text!r}") from None
+    if any(not 0 < v <= 1 for v in values):
+        raise JetFlowError(f"--snapshot-at fractions must be in (0, 1], got {text!r}")
+    return values
+
+
+def _init_distributed() -> None:
+    """Under ``torchrun`` (WORLD_SIZE > 1) join the process group: nccl on GPUs, gloo on CPU."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def cmd_cache_teacher(args) -> int:
+    from jetflow.training.teacher_cache import build_teacher_cache
+    from jetflow.training.trainer import load_sequences
+
+    target = _load_jetflow_target(args)
+    if args.layers:
+        target.set_tapped_layers(_int_list(args.layers, "--layers"))
+    manifest = build_teacher_cache(target, load_sequences(args.data, target), args.out, top_k=args.top_k,
+                                   sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
+                                   source=str(args.data))
+    print(json.dumps({"out": str(args.out), "complete": manifest["complete"], "sequences": manifest["num_sequences"],
+                      "wall_seconds": round(manifest["wall_seconds"], 1)}))
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise JetFlowError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _load_jetflow_target(args):
@@ -187,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, type=Path)
     r.set_defaults(func=cmd_regenerate)
 
-    t = sub.add_parser("train", help="train a draft head on regenerated data (online teacher, resumable)")
+    t = sub.add_parser("train", help="train a draft head on regenerated data (resumable; torchrun for data parallel)")
     _add_target_args(t)
     t.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
     t.add_argument("--out", required=True, type=Path)
@@ -208,7 +260,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=_positive_int, default=100)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="stop after this step (resumable)")
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--teacher-cache", type=Path, default=None,
+                   help="a `jetflow cache-teacher` directory for these data (default: run the target online)")
+    t.add_argument("--draft-vocab", type=_non_negative_int, default=0,
+                   help="predict only the N most frequent answer tokens (0 = the full vocabulary)")
+    t.add_argument("--snapshot-at", default=None,
+                   help="keep drafter copies at these fractions of training, e.g. 0.25,0.5 (learning curves)")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("cache-teacher", help="run the target once over regenerated data and store its features "
+                                             "and top-k distributions for training (resumable)")
+    _add_target_args(c)
+    c.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
+    c.add_argument("--out", required=True, type=Path)
+    c.add_argument("--top-k", type=_positive_int, default=32, help="teacher tokens kept per position")
+    c.add_argument("--layers", default=None, help="tapped target layers, e.g. 1,8,14,20,27 (default: the "
+                                                  "draft head's default choice)")
+    c.add_argument("--part-size", type=_positive_int, default=256, help="sequences per cache file")
+    c.add_argument("--batch-tokens", type=_positive_int, default=4096, help="tokens per target forward")
+    c.set_defaults(func=cmd_cache_teacher)
     return parser
 
 

@@ -49,7 +49,8 @@ def test_overfits_tiny_set_and_decodes_losslessly_with_high_tau(target, data, tm
     head = jetflow.DraftHead.from_pretrained(tmp_path / "run" / "drafter", target=target)
     jf = jetflow.JetFlow(target, head, budget=16, width=3)
     lengths = []
-    for seq in trainer.train_set:
+    for index in trainer.train_set:
+        seq = seqs[index]
         prompt = seq.token_ids[: seq.prompt_len]
         spec = jf.generate(prompt, max_new_tokens=30)
         assert spec.token_ids == jetflow.generate(target, prompt, max_new_tokens=30).token_ids
@@ -91,3 +92,66 @@ def test_bad_data_is_rejected(target, tokenizer, tmp_path):
         load_sequences(tmp_path, target)
     with pytest.raises(JetFlowError, match="loss"):
         TrainConfig(loss="mse")
+
+
+def test_cached_teacher_gives_the_online_loss_and_trains_a_reduced_vocab_head(target, data, tmp_path):
+    from jetflow.models.draft_vocab import token_counts
+    from jetflow.training.teacher_cache import build_teacher_cache
+
+    seqs = load_sequences(data, target)
+    build_teacher_cache(target, seqs, tmp_path / "cache", top_k=target.vocab_size, progress=False)
+    online = Trainer(target, seqs, tmp_path / "online", config())
+    cached = Trainer(target, seqs, tmp_path / "cached", config(), teacher_cache=tmp_path / "cache")
+    assert online.train_step() == pytest.approx(cached.train_step(), rel=2e-2)
+
+    small = tmp_path / "small-cache"
+    build_teacher_cache(target, seqs, small, top_k=8, progress=False)
+    trainer = Trainer(target, seqs, tmp_path / "reduced", config(lr=1e-2, epochs=150, draft_vocab=48),
+                      teacher_cache=small)
+    assert trainer.head.config.draft_vocab_size == 48
+    counts = token_counts((seqs[i] for i in trainer.train_set), target.vocab_size)
+    cutoff = sorted(counts.tolist(), reverse=True)[47]
+    kept = set(trainer.head.draft_ids.tolist())
+    assert {t for t in range(len(counts)) if counts[t] > cutoff} <= kept
+    assert all(counts[t] >= cutoff for t in kept if t != 257)  # 257: the stop token, always kept
+    first = trainer.evaluate()["eval_loss"]
+    trainer.fit(log=lambda r: None)
+    assert trainer.evaluate()["eval_loss"] < first / 4
+    head = jetflow.DraftHead.from_pretrained(tmp_path / "reduced" / "drafter", target=target)
+    assert head.draft_ids.tolist() == trainer.head.draft_ids.tolist()
+    jf = jetflow.JetFlow(target, head, budget=16, width=3)
+    lengths = []
+    for index in trainer.train_set:
+        prompt = seqs[index].token_ids[: seqs[index].prompt_len]
+        spec = jf.generate(prompt, max_new_tokens=30)
+        assert spec.token_ids == jetflow.generate(target, prompt, max_new_tokens=30).token_ids
+        lengths += spec.stats["accept_lengths"]
+    assert sum(lengths) / len(lengths) > 2.5
+    assert (tmp_path / "reduced" / "loss_curve.png").stat().st_size > 1000
+
+
+def test_two_process_data_parallel_matches_one_process(tiny_dir, tmp_path):
+    """torchrun with 2 gloo processes x 1 sequence gives the first-step loss of 1 process x 2."""
+    import os
+    import subprocess
+    import sys
+
+    from jetflow.data.prompts import Prompt
+    from jetflow.data.regenerate import regenerate
+
+    tgt = TargetModel.load(str(tiny_dir))
+    prompts = [Prompt("toy", f"toy/{i}", (("user", "xyz"[i % 3] * (i + 2)),)) for i in range(8)]
+    regenerate(tgt, prompts, tmp_path / "data", max_new_tokens=24, batch_size=8, shard_size=8, progress=False)
+    common = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--layers", "1",
+              "--block-size", "4", "--anchors-per-seq", "4", "--max-steps", "2", "--eval-every", "1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "jetflow.cli", *common, "--batch", "2", "--out", str(tmp_path / "one")],
+                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+                    "-m", "jetflow.cli", *common, "--batch", "1", "--out", str(tmp_path / "two")],
+                   check=True, env=env, capture_output=True)
+    one = [json.loads(x) for x in (tmp_path / "one" / "train_log.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    assert len(one) == len(two) == 2
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)
+    assert two[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-4)  # same update on both sides

@@ -16,7 +16,10 @@ class BlockDrafter:
             target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.eval().requires_grad_(False)
         self.embed = target.model.get_input_embeddings()  # shared, frozen
-        self.lm_head = target.model.get_output_embeddings()
+        # The head's slice of the target's LM head, taken once (all of it unless the vocabulary is reduced).
+        self.lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
+        self.draft_ids = head.draft_ids
+        self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size
         self.reset()
 
@@ -41,7 +44,8 @@ class BlockDrafter:
 
     @torch.inference_mode()
     def depth_logprobs(self, anchor: int, position: int) -> torch.Tensor:
-        """Draft log-probabilities [B-1, V] of the tokens at depths 1..B-1 after ``anchor``."""
+        """Draft log-probabilities [B-1, V] of the tokens at depths 1..B-1 after ``anchor`` (over the
+        target vocabulary; tokens outside a reduced draft vocabulary get -inf)."""
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
         b = self.block_size
@@ -51,5 +55,8 @@ class BlockDrafter:
         positions = torch.arange(position, position + b, device=device)
         mask = self.head.block_mask(self.context_len, device)
         hidden = self.head(self.embed(ids), positions, self.context_kv, mask)
-        logits = self.lm_head(hidden[1:].to(self.lm_head.weight.dtype))
-        return logits.float().log_softmax(-1)
+        logprobs = (hidden[1:].to(self.lm_weight.dtype) @ self.lm_weight.T).float().log_softmax(-1)
+        if self.draft_ids is None:
+            return logprobs
+        full = logprobs.new_full((b - 1, self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_ids, logprobs)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from jetflow.errors import JetFlowError
+from jetflow.models.draft_vocab import mapping_tensors
 from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
 from jetflow.utils.fs import replace_directory
 
@@ -46,6 +47,7 @@ class DraftHeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
 
     def __post_init__(self):
@@ -55,10 +57,16 @@ class DraftHeadConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must not be empty")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     @classmethod
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
-                   mask_token_id: int | None = None) -> "DraftHeadConfig":
+                   mask_token_id: int | None = None, draft_vocab_size: int | None = None) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         c = target.config
         heads = c.num_attention_heads
@@ -78,6 +86,7 @@ class DraftHeadConfig:
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
             max_position_embeddings=target.max_context,
+            draft_vocab_size=draft_vocab_size,
             target=target.identity(),
         )
 
@@ -130,7 +139,31 @@ class DraftHead(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
+        if c.reduced_vocab:  # EAGLE-3 names, so vLLM reads the mapping as is
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.reset_parameters()
+
+    # ---------------------------------------------------------------- draft vocabulary
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Install the sorted target ids the head predicts (a reduced-vocabulary head only)."""
+        if not self.config.reduced_vocab or draft_ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"head expects {self.config.draft_vocab_size} draft ids, got {draft_ids.numel()}")
+        d2t, t2d = mapping_tensors(draft_ids.cpu(), self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target id of each draft id, or None when the head predicts the full vocabulary."""
+        if not self.config.reduced_vocab:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def output_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's (shared, frozen) LM head that the head predicts."""
+        ids = self.draft_ids
+        return lm_head_weight if ids is None else lm_head_weight.index_select(0, ids.to(lm_head_weight.device))
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -172,7 +205,8 @@ class DraftHead(nn.Module):
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write ``config.json`` + ``model.safetensors`` atomically (optionally cast, e.g. bf16)."""
         path = Path(path)
-        state = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
+                 for k, v in self.state_dict().items()}
         with replace_directory(path) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -197,7 +231,7 @@ class DraftHead(nn.Module):
         if missing or unexpected:
             raise DrafterMismatchError(f"{weights} does not match its config: missing {missing[:4]}, "
                                        f"unexpected {unexpected[:4]}")
-        head.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        head.to(device=device, dtype=dtype or state["fc.weight"].dtype)
         return head
 
 

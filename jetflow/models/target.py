@@ -192,19 +192,35 @@ class TargetModel:
         return out
 
     @torch.inference_mode()
-    def features_and_logits(self, ids: Sequence[int] | torch.Tensor, logit_positions: torch.Tensor):
-        """Training-time forward without the cache: tapped hidden states of every position [T, taps*H]
-        and the logits at ``logit_positions`` only [P, V] (the LM head is the costly part)."""
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(self.device)
+    def features_and_hidden(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training-time forward without the cache over a batch ``ids`` [B, T] (right-padded rows are
+        fine: attention is causal, so real positions never see the padding). Returns the tapped
+        hidden states [B, T, taps*H] and the final (normed) hidden states [B, T, H]; apply
+        :meth:`logits` to the positions that need them (the LM head is the costly part)."""
         self._capture = True
         self._captured.clear()
         try:
-            out = self.model(input_ids=ids[None], use_cache=False, logits_to_keep=logit_positions.to(self.device))
+            out = self.model.get_decoder()(input_ids=ids.to(self.device), use_cache=False)
         finally:
             self._capture = False
-        hidden = torch.cat([self._captured[t][0] for t in self.tapped_layers], dim=-1)
+        taps = torch.cat([self._captured[t] for t in self.tapped_layers], dim=-1)
         self._captured.clear()
-        return hidden, out.logits[0]
+        return taps, out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head (with any final logit soft-capping of the model) as float32."""
+        head = self.model.get_output_embeddings()
+        logits = head(hidden.to(head.weight.dtype)).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.inference_mode()
+    def features_and_logits(self, ids: Sequence[int] | torch.Tensor, logit_positions: torch.Tensor):
+        """One sequence: tapped hidden states of every position [T, taps*H] and the logits at
+        ``logit_positions`` only [P, V]."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        taps, hidden = self.features_and_hidden(ids[None])
+        return taps[0], self.logits(hidden[0, logit_positions.to(self.device)])
 
     def _forward(self, ids: torch.Tensor, parents: list[int] | None, last_logits_only: bool, return_hidden: bool):
         n = ids.numel()

@@ -21,16 +21,17 @@ def depth_weights(depth: torch.Tensor, gamma: float) -> torch.Tensor:
     return torch.exp(-(depth.float() - 1) / gamma)
 
 
-def slot_losses(draft_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor,
+def slot_losses(draft_logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor,
                 kind: str, temperature: float = 1.0) -> torch.Tensor:
-    """Loss of every slot, [N], from draft logits [N, V] and teacher logits [N, V] (unused by sft)."""
+    """Loss of every slot, [N], from draft logits [N, V] and the teacher's logits or log-probabilities
+    [N, V] (the same thing after the softmax; unused by sft)."""
     if kind == "sft":
         return F.cross_entropy(draft_logits.float(), labels, reduction="none")
     if kind not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {kind!r}")
     t = temperature
     log_q = (draft_logits.float() / t).log_softmax(-1)
-    log_p = (teacher_logits.float() / t).log_softmax(-1)
+    log_p = (teacher.float() / t).log_softmax(-1)
     if kind == "fkl":
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     else:
@@ -38,14 +39,14 @@ def slot_losses(draft_logits: torch.Tensor, teacher_logits: torch.Tensor | None,
     return kl * t * t
 
 
-def block_loss(draft_logits, teacher_logits, labels, loss_mask, depth, kind="fkl", temperature=1.0,
+def block_loss(draft_logits, teacher, labels, loss_mask, depth, kind="fkl", temperature=1.0,
                gamma=0.0) -> torch.Tensor:
     """Weighted mean of the slot losses over the slots in ``loss_mask``."""
     sel = loss_mask.nonzero().flatten()
     if sel.numel() == 0:
         return draft_logits.sum() * 0.0
-    teacher = teacher_logits[sel] if teacher_logits is not None else None
-    losses = slot_losses(draft_logits[sel], teacher, labels[sel], kind, temperature)
+    losses = slot_losses(draft_logits[sel], teacher[sel] if teacher is not None else None, labels[sel], kind,
+                         temperature)
     w = depth_weights(depth[sel], gamma)
     return (losses * w).sum() / w.sum()
 

@@ -1,10 +1,11 @@
-"""Draft-head training: frozen target as teacher (online), block distillation, resumable.
+"""Draft-head training: frozen target as teacher, block distillation, resumable, data parallel.
 
-Each step takes ``batch_size`` regenerated sequences (per process). For each sequence the target
-runs once (tapped features of every position + logits at the teacher positions only), K anchors
-are drawn inside the answer, and all K blocks go through the head in one forward with the
-training mask. The data order and the anchors depend only on (seed, epoch, step, rank), so a
-resumed run sees exactly what the uninterrupted run would have seen.
+Each step takes ``batch_size`` regenerated sequences per process. For each sequence the teacher
+(the target run online, or its offline cache) gives the tapped features of every position and the
+next-token distributions at the teacher positions; K anchors are drawn inside the answer, and all K
+blocks go through the head in one forward with the training mask. The data order and the anchors
+depend only on the seed, the step and the sequence's place in the global batch, so a resumed run
+sees exactly what the uninterrupted run would have seen, whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ import torch.distributed as dist
 
 from jetflow.data.shards import Sequence, list_shards, read_shard
 from jetflow.errors import JetFlowError
+from jetflow.decoding.prompt import stop_token_ids
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.draft_vocab import select_draft_vocab, target_to_draft_index, token_counts
 from jetflow.models.target import TargetModel
 from jetflow.training.blocks import make_blocks, sample_anchors, training_mask
 from jetflow.training.losses import LOSSES, block_loss
+from jetflow.training.plot import plot_training_log
+from jetflow.training.teacher import CachedTeacher, OnlineTeacher
+from jetflow.training.teacher_cache import TeacherCache
 from jetflow.utils.fs import replace_directory
 
 
@@ -47,10 +53,13 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 100
     eval_sequences: int = 16
+    draft_vocab: int = 0  # 0: predict the full target vocabulary
 
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise JetFlowError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.draft_vocab < 0:
+            raise JetFlowError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {self.draft_vocab}")
         for name in ("block_size", "anchors_per_seq", "layers", "epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise JetFlowError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -87,25 +96,45 @@ def load_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
 
 class Trainer:
     def __init__(self, target: TargetModel, sequences: list[Sequence], out_dir: str | Path, config: TrainConfig,
-                 head: DraftHead | None = None):
+                 head: DraftHead | None = None, teacher_cache: str | Path | None = None):
         self.target, self.config, self.out = target, config, Path(out_dir)
+        self.sequences = sequences
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(config.seed)).tolist()
         n_eval = min(config.eval_sequences, len(sequences) // 5)
-        self.eval_set = [sequences[i] for i in order[:n_eval]]
-        self.train_set = [sequences[i] for i in order[n_eval:]]
+        self.eval_set, self.train_set = order[:n_eval], order[n_eval:]  # indices into ``sequences``
         torch.manual_seed(config.seed)
-        self.head = head or DraftHead(DraftHeadConfig.for_target(
-            target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention))
-        self.head.to(target.device).train()
+        if head is None:
+            vocab = config.draft_vocab if 0 < config.draft_vocab < target.vocab_size else None
+            head = DraftHead(DraftHeadConfig.for_target(
+                target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
+                draft_vocab_size=vocab))
+            if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
+                counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
+                required = stop_token_ids(target.tokenizer, target.model.generation_config)
+                head.set_draft_vocab(select_draft_vocab(counts, vocab, required))
+        self.head = head.to(target.device).train()
         self.embed = target.model.get_input_embeddings()
-        self.lm_head = target.model.get_output_embeddings()
+        self.teacher_cache = teacher_cache
+        self._bind_vocab()
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         per_step = config.batch_size * config.grad_accum * self.world
         self.steps_per_epoch = max(1, len(self.train_set) // per_step)
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step = 0
+        self.elapsed = 0.0  # training seconds over all sessions of this run
+
+    def _bind_vocab(self) -> None:
+        """LM-head slice, label mapping and teacher for the head's (possibly reduced) vocabulary."""
+        target, draft_ids = self.target, self.head.draft_ids
+        self.lm_weight = self.head.output_weight(target.model.get_output_embeddings().weight).detach()
+        self.label_index = None if draft_ids is None else target_to_draft_index(draft_ids.cpu(), target.vocab_size)
+        if self.teacher_cache is None:
+            self.teacher = OnlineTeacher(target, draft_ids)
+        else:
+            cache = TeacherCache(self.teacher_cache, self.sequences, target, self.head.config.target_layer_ids)
+            self.teacher = CachedTeacher(cache, draft_ids, target.vocab_size, target.device)
 
     # ------------------------------------------------------------------ schedule and data order
     def lr_at(self, step: int) -> float:
@@ -115,30 +144,33 @@ class Trainer:
         progress = (step - c.warmup_steps) / max(1, self.total_steps - c.warmup_steps)
         return c.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    def batch_for(self, step: int, micro: int) -> list[Sequence]:
+    def batch_for(self, step: int, micro: int) -> list[tuple[int, int]]:
+        """(slot in the global batch, sequence index) of this process's share of a micro-batch."""
         c = self.config
         epoch, within = divmod(step, self.steps_per_epoch)
         order = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(c.seed * 1000 + epoch))
         start = ((within * c.grad_accum + micro) * self.world + self.rank) * c.batch_size
-        return [self.train_set[i] for i in order[start:start + c.batch_size].tolist()]
+        return [(start + k, self.train_set[i]) for k, i in enumerate(order[start:start + c.batch_size].tolist())]
 
     # ------------------------------------------------------------------ one sequence
-    def sequence_loss(self, seq: Sequence, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        c, head = self.config, self.head
+    def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        c, head, device = self.config, self.head, self.target.device
+        seq = self.sequences[index]
         tokens = torch.tensor(seq.token_ids)
         anchors = sample_anchors(seq.prompt_len, len(tokens), c.anchors_per_seq, generator)
         blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id)
-        sel = blocks.loss_mask.nonzero().flatten()
-        features, teacher = self.target.features_and_logits(tokens, blocks.teacher_index[sel])
-        device = self.target.device
-        ctx = head.context_kv(head.fuse(features.clone()), torch.arange(len(tokens), device=device))
+        labels = blocks.labels if self.label_index is None else self.label_index[blocks.labels]
+        usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
+        sel = usable.nonzero().flatten()
+        features, teacher = self.teacher.fetch(index, seq, blocks.teacher_index[sel])
+        ctx = head.context_kv(head.fuse(features), torch.arange(len(tokens), device=device))
         mask = training_mask(anchors, len(tokens), c.block_size, c.attention == "causal").to(device)
         with torch.no_grad():
             embeds = self.embed(blocks.block_ids.to(device))
         hidden = head(embeds, blocks.positions.to(device), ctx, mask)
-        logits = self.lm_head(hidden[sel.to(device)].to(self.lm_head.weight.dtype))
+        logits = hidden[sel.to(device)].to(self.lm_weight.dtype) @ self.lm_weight.T
         ones = torch.ones(len(sel), dtype=torch.bool, device=device)
-        loss = block_loss(logits, teacher.clone(), blocks.labels[sel].to(device), ones, blocks.depth[sel].to(device),
+        loss = block_loss(logits, teacher, labels[sel].to(device), ones, blocks.depth[sel].to(device),
                           c.loss, c.kl_temperature, c.gamma)
         agree = (logits.argmax(-1) == teacher.argmax(-1)).float()
         return loss, {"depth": blocks.depth[sel], "agree": agree.detach().cpu()}
@@ -149,23 +181,25 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros(())
+        global_batch = c.batch_size * self.world
         for micro in range(c.grad_accum):
-            batch = self.batch_for(self.step, micro)
-            for i, seq in enumerate(batch):
-                g = torch.Generator().manual_seed(hash((c.seed, self.step, micro, self.rank, i)) % (2**31))
-                loss, _ = self.sequence_loss(seq, g)
-                (loss / (len(batch) * c.grad_accum)).backward()
-                total += float(loss.detach()) / (len(batch) * c.grad_accum)
+            for slot, index in self.batch_for(self.step, micro):
+                # Anchors depend on the sequence's place in the global batch, not on the process.
+                g = torch.Generator().manual_seed((c.seed * 1_000_003 + self.step) * 65_537 + slot)
+                loss, _ = self.sequence_loss(index, g)
+                (loss * self.world / (global_batch * c.grad_accum)).backward()
+                total += float(loss.detach()) / (global_batch * c.grad_accum)
         if self.world > 1:  # data parallel: average the gradients of all processes (gloo or nccl)
             for p in self.head.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad /= self.world
+            dist.all_reduce(total)
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.clip)
         self.optimizer.step()
         self.step += 1
-        return total
+        return float(total)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -173,8 +207,8 @@ class Trainer:
         self.head.eval()
         g = torch.Generator().manual_seed(12345)
         losses, depth_hits, depth_counts = [], {}, {}
-        for seq in self.eval_set:
-            loss, info = self.sequence_loss(seq, g)
+        for index in self.eval_set:
+            loss, info = self.sequence_loss(index, g)
             losses.append(float(loss))
             for d, a in zip(info["depth"].tolist(), info["agree"].tolist()):
                 depth_hits[d] = depth_hits.get(d, 0) + a
@@ -189,8 +223,9 @@ class Trainer:
             return
         self.head.save_pretrained(self.out / "drafter")
         with replace_directory(self.out / "trainer_state") as tmp:
-            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "elapsed": self.elapsed,
                         "config": asdict(self.config)}, tmp / "state.pt")
+        plot_training_log(self.out / "train_log.jsonl", self.out / "loss_curve.png")
 
     def resume(self) -> bool:
         state_file = self.out / "trainer_state" / "state.pt"
@@ -201,19 +236,22 @@ class Trainer:
             raise JetFlowError(f"{self.out} was trained with other settings; resume with the same arguments")
         loaded = DraftHead.from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
         self.head.load_state_dict(loaded.state_dict())
+        self._bind_vocab()
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
+        self.step, self.elapsed = state["step"], state.get("elapsed", 0.0)
         return True
 
-    def fit(self, max_steps: int | None = None, log=print) -> dict:
+    def fit(self, max_steps: int | None = None, log=print, snapshots: tuple[int, ...] = ()) -> dict:
+        """Train until ``max_steps`` (default: all epochs); ``snapshots`` are steps at which a copy of
+        the drafter is kept in ``snapshots/step-NNNNNN`` (e.g. for a learning curve)."""
         self.out.mkdir(parents=True, exist_ok=True)
         log_file = self.out / "train_log.jsonl"
         end = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        t0 = time.perf_counter()
         while self.step < end:
+            t0 = time.perf_counter()
             loss = self.train_step()
-            record = {"step": self.step, "loss": loss, "lr": self.lr_at(self.step - 1),
-                      "seconds": time.perf_counter() - t0}
+            self.elapsed += time.perf_counter() - t0
+            record = {"step": self.step, "loss": loss, "lr": self.lr_at(self.step - 1), "seconds": self.elapsed}
             if self.step % self.config.eval_every == 0 or self.step == end:
                 record.update(self.evaluate())
             if self.rank == 0:
@@ -222,4 +260,6 @@ class Trainer:
                 log(record)
             if self.step % self.config.save_every == 0 or self.step == end:
                 self.save()
+            if self.step in snapshots and self.rank == 0:
+                self.head.save_pretrained(self.out / "snapshots" / f"step-{self.step:06d}")
         return {"step": self.step, "total_steps": self.total_steps}

@@ -77,6 +77,8 @@ def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width
     while frontier and len(tree) - 1 < budget:
         neg, _, parent, depth, rank = heapq.heappop(frontier)
         score = -neg
+        if score == float("-inf"):  # only impossible tokens left (outside a reduced draft vocabulary)
+            break
         node = tree.add(ids[depth - 1][rank], parent, score)
         if rank + 1 < w:  # next-best sibling under the same parent
             sib = tree.scores[parent] + lp[depth - 1][rank + 1]
