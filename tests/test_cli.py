@@ -87,3 +87,35 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert main(args + ["--resume"]) == 0
     assert main(["train", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys):
+    """regenerate -> cache-teacher (killed and resumed) -> train with the cache, a reduced vocabulary
+    and snapshots; bad options are refused with a message."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(6)))
+    assert main(["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "--out", str(tmp_path / "data")]) == 0
+    cache = ["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",
+             str(tmp_path / "cache"), "--layers", "1,2", "--top-k", "8", "--part-size", "4"]
+    assert main(cache) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["complete"] and summary["sequences"] == 6
+    train = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+             "--block-size", "4", "--layers", "1", "--batch", "1", "--epochs", "2", "--warmup", "1",
+             "--draft-vocab", "40", "--snapshot-at", "0.5", "--teacher-cache", str(tmp_path / "cache")]
+    assert main(train) == 2 and "layers" in capsys.readouterr().err  # cache taps 1,2; head default differs
+    parts = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert main(cache[:-6] + ["--top-k", "8"]) == 2  # other layers into the same dir: refused, nothing lost
+    assert "other settings" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == parts
+    assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",
+                 str(tmp_path / "cache2"), "--top-k", "8"]) == 0
+    train[-1] = str(tmp_path / "cache2")
+    assert main(train) == 0
+    cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40
+    assert len(list((tmp_path / "run" / "snapshots").iterdir())) == 1
+    assert main(train[:-2] + ["--snapshot-at", "1.5", "--out", str(tmp_path / "r2")]) == 2
+    assert "snapshot-at" in capsys.readouterr().err
+    assert main(cache[:-2] + ["--layers", "1,x"]) == 2 and "--layers" in capsys.readouterr().err
