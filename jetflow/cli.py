@@ -35,10 +35,24 @@ def _load_jetflow(args):
 
     device, dtype = _device_and_dtype(args)
     drafter = args.drafter
-    if drafter is not None and drafter.lower() != "none" and not Path(drafter).is_dir():
+    if drafter.lower() not in ("none", "auto") and not Path(drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype,
                                    budget=args.budget, width=args.width)
+
+
+def _comparison(spec, ar, drafter) -> str:
+    """JetFlow vs autoregressive decoding of the same request, as a small table."""
+    rows = [("", "autoregressive", "JetFlow"),
+            ("new tokens", str(ar.new_tokens), str(spec.new_tokens)),
+            ("seconds", f"{ar.seconds:.2f}", f"{spec.seconds:.2f}"),
+            ("tokens/s", f"{ar.tokens_per_s:.1f}", f"{spec.tokens_per_s:.1f}"),
+            ("tau (tokens/round)", "1.00", f"{spec.stats['tau']:.2f}" if "tau" in spec.stats else "-"),
+            ("speed-up", "1.00x", f"{spec.tokens_per_s / ar.tokens_per_s:.2f}x" if ar.tokens_per_s else "-")]
+    lines = [f"{a:<20}{b:>16}{c:>16}" for a, b, c in rows]
+    same = "identical" if spec.token_ids == ar.token_ids else "DIFFERENT"
+    lines.append(f"text: {same} ({len(ar.token_ids)} vs {len(spec.token_ids)} tokens); drafter: {drafter or 'none'}")
+    return "\n".join(lines)
 
 
 def _non_negative_int(text: str) -> int:
@@ -74,13 +88,15 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
         else:
             result = event
-    lossless = None
-    if args.check_lossless:
+    lossless = reference = None
+    if args.check_lossless or args.compare:
         reference = autoregressive_generate(jf.target, args.prompt, **request)
         lossless = reference.token_ids == result.token_ids
     if args.json:
         out = result.to_dict()
-        out.update(target=jf.target.name, drafter=args.drafter)
+        out.update(target=jf.target.name, drafter=jf.drafter_path)
+        if reference is not None:
+            out["autoregressive"] = {"tokens_per_s": reference.tokens_per_s, "seconds": reference.seconds}
         for key in ("tau", "rounds", "accept_lengths"):
             out[key] = result.stats.get(key)
         if lossless is not None:
@@ -91,6 +107,8 @@ def cmd_generate(args) -> int:
         extra = f", tau {result.stats['tau']:.2f} over {result.stats['rounds']} rounds" if "tau" in result.stats else ""
         print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s{extra}, "
               f"finish: {result.finish_reason}]", file=sys.stderr)
+        if args.compare:
+            print(_comparison(result, reference, jf.drafter_path), file=sys.stderr)
     if lossless is False:
         print("jetflow: error: speculative output differs from autoregressive output", file=sys.stderr)
         return 1
@@ -134,7 +152,9 @@ def cmd_train(args) -> int:
     fractions = _fractions(args.snapshot_at)
     _init_distributed()
     target = _load_jetflow_target(args)
-    trainer = Trainer(target, load_sequences(args.data, target), args.out, config, teacher_cache=args.teacher_cache)
+    head = _initial_head(args, target, config) if args.init_from else None
+    trainer = Trainer(target, load_sequences(args.data, target), args.out, config, head=head,
+                      teacher_cache=args.teacher_cache)
     if args.resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
     elif (Path(args.out) / "trainer_state").exists() and not args.resume:
@@ -144,6 +164,23 @@ def cmd_train(args) -> int:
     if trainer.rank == 0:
         print(json.dumps(result))
     return 0
+
+
+def _initial_head(args, target, config):
+    """Warm start from an earlier drafter (fresh optimizer and schedule); its shape must be the run's."""
+    import torch
+
+    from jetflow.models.draft_head import DraftHead
+
+    head = DraftHead.from_pretrained(args.init_from, target=target, dtype=torch.float32)
+    c = head.config
+    vocab = c.draft_vocab_size if c.reduced_vocab else 0
+    wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
+              "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab)}
+    bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
+    if bad:
+        raise JetFlowError(f"--init-from {args.init_from} does not match " + ", ".join(bad))
+    return head
 
 
 def _fractions(text: str | None) -> list[float]:
@@ -216,12 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--drafter", default=None,
-                   help="draft head checkpoint dir, or 'none' for plain autoregressive decoding (default: none)")
+    g.add_argument("--drafter", default="auto",
+                   help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
+                        "the drafter shipped for the target if there is one, else none")
     g.add_argument("--budget", type=_non_negative_int, default=64, help="draft tree nodes per round (root not counted)")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")
+    g.add_argument("--compare", action="store_true",
+                   help="also decode autoregressively and print both speeds side by side (exit 1 if texts differ)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
@@ -264,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a `jetflow cache-teacher` directory for these data (default: run the target online)")
     t.add_argument("--draft-vocab", type=_non_negative_int, default=0,
                    help="predict only the N most frequent answer tokens (0 = the full vocabulary)")
+    t.add_argument("--init-from", default=None,
+                   help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,
                    help="keep drafter copies at these fractions of training, e.g. 0.25,0.5 (learning curves)")
     t.set_defaults(func=cmd_train)

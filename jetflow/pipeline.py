@@ -14,6 +14,7 @@ from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
 from jetflow.errors import InvalidRequestError
 from jetflow.models.draft_head import DraftHead
+from jetflow.models.shipped import shipped_drafter
 from jetflow.models.target import TargetModel
 
 DEFAULT_BUDGET = 64
@@ -26,23 +27,30 @@ class JetFlow:
         self.target = target
         self.drafter = BlockDrafter(head, target) if head is not None else None
         self.budget, self.width = _check_tree_args(budget, width)
+        self.drafter_path: str | None = None  # where the head was loaded from, if from disk
 
     @classmethod
     def from_pretrained(cls, target: str | TargetModel | None = None, drafter: str | Path | DraftHead | None = None,
                         *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         **defaults) -> "JetFlow":
         """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded TargetModel.
-        ``drafter``: a checkpoint directory, a DraftHead, or None/"none" for plain decoding."""
+        ``drafter``: a checkpoint directory, a DraftHead, None/"none" for plain decoding, or "auto":
+        the drafter shipped with JetFlow for this target when there is one."""
         if not isinstance(target, TargetModel):
             target = TargetModel.load(target, device=device, dtype=dtype)
-        head = drafter
-        if isinstance(drafter, str) and drafter.lower() == "none":
+        head, path = drafter, None
+        if isinstance(drafter, str) and drafter.lower() == "auto":
+            drafter = shipped_drafter(target.name)
+        if drafter is None or isinstance(drafter, str) and drafter.lower() == "none":
             head = None
         elif isinstance(drafter, (str, Path)):
+            path = str(drafter)
             head = DraftHead.from_pretrained(drafter, target=target, device=target.device)
         if head is not None:
-            head = head.to(device=target.device, dtype=target.dtype)
-        return cls(target, head, **defaults)
+            head = head.to(device=target.device, dtype=target.dtype)  # shipped bf16 -> the target's dtype
+        jf = cls(target, head, **defaults)
+        jf.drafter_path = path
+        return jf
 
     def stream(self, prompt, *, budget: int | None = None, width: int | None = None,
                **request) -> Iterator[str | GenerationResult]:

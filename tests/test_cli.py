@@ -62,6 +62,24 @@ def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_dr
     assert len(out["accept_lengths"]) == out["rounds"]
 
 
+def test_compare_and_the_shipped_drafter_by_default(tiny_dir, tiny_drafter, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from jetflow.models import shipped
+    from jetflow.models.resolve import resolve_model
+
+    args = ["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "12", "--budget", "16", "--compare"]
+    monkeypatch.setattr(shipped, "DRAFTERS_DIR", tmp_path)  # no drafter shipped for this target: plain decoding
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafter"] is None and out["tau"] is None and out["lossless"] is True
+    shutil.copytree(tiny_drafter, tmp_path / resolve_model(str(tiny_dir)).name)  # now one is shipped
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "autoregressive" in err and "JetFlow" in err and "speed-up" in err and "text: identical" in err
+    assert str(tmp_path) in err
+
+
 def test_drafter_errors(tiny_dir, tmp_path, capsys):
     assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path / "nope")]) == 2
     assert "drafter checkpoint directory not found" in capsys.readouterr().err
@@ -116,6 +134,10 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 40
     assert len(list((tmp_path / "run" / "snapshots").iterdir())) == 1
+    warm = train + ["--init-from", str(tmp_path / "run" / "drafter"), "--out", str(tmp_path / "warm")]
+    assert main(warm) == 0
+    assert main(warm[:-2] + ["--draft-vocab", "30", "--out", str(tmp_path / "w2")]) == 2
+    assert "--draft-vocab 30 (checkpoint: 40)" in capsys.readouterr().err
     assert main(train[:-2] + ["--snapshot-at", "1.5", "--out", str(tmp_path / "r2")]) == 2
     assert "snapshot-at" in capsys.readouterr().err
     assert main(cache[:-2] + ["--layers", "1,x"]) == 2 and "--layers" in capsys.readouterr().err
