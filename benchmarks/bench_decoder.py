@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--prompts", default=None, help="an evaluation set (gsm8k-test); default: 3 fixed prompts")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ar-cache", default=None,
+                    help="JSON of the autoregressive outputs: reused when it matches the prompts and settings, "
+                         "written otherwise (saves the AR pass when comparing several drafters)")
     args = ap.parse_args()
     if (args.drafter is None) == (args.random_head is None):
         ap.error("give exactly one of --drafter and --random-head")
@@ -51,14 +54,28 @@ def main():
     jetflow.generate(target, prompts[0], max_new_tokens=8)  # warm-up
     jf.generate(prompts[0], max_new_tokens=8)
 
-    ar = [jetflow.generate(target, p, max_new_tokens=args.new_tokens) for p in prompts]
-    ar_tps = sum(r.new_tokens for r in ar) / sum(r.seconds for r in ar)
+    key = {"target": target.name, "prompts": prompts, "new_tokens": args.new_tokens}
+    cached = json.loads(Path(args.ar_cache).read_text()) if args.ar_cache and Path(args.ar_cache).is_file() else None
+    if cached and cached["key"] == key:
+        ar_ids, ar_tps = cached["token_ids"], cached["tokens_per_s"]
+        print(f"ar: {ar_tps:.1f} tok/s (from {args.ar_cache})")
+    else:
+        ar = [jetflow.generate(target, p, max_new_tokens=args.new_tokens) for p in prompts]
+        ar_ids, ar_tps = [r.token_ids for r in ar], sum(r.new_tokens for r in ar) / sum(r.seconds for r in ar)
+        print(f"ar: {ar_tps:.1f} tok/s")
+        if args.ar_cache:
+            Path(args.ar_cache).write_text(json.dumps({"key": key, "token_ids": ar_ids, "tokens_per_s": ar_tps}))
     rows = [{"method": "ar", "tokens_per_s": ar_tps}]
-    print(f"ar: {ar_tps:.1f} tok/s")
+    if head.draft_ids is not None:  # how often the target says a token the reduced head cannot propose
+        vocab = set(head.draft_ids.tolist())
+        produced = [t for ids in ar_ids for t in ids]
+        coverage = sum(t in vocab for t in produced) / max(1, len(produced))
+        rows[0]["draft_vocab_coverage"] = coverage
+        print(f"draft vocabulary ({len(vocab)} tokens) covers {coverage:.2%} of the AR output tokens")
     for budget in [int(b) for b in args.budgets.split(",")]:
         runs = [jf.generate(p, max_new_tokens=args.new_tokens, budget=budget) for p in prompts]
-        for r, ref in zip(runs, ar):
-            if r.token_ids != ref.token_ids:
+        for r, ref in zip(runs, ar_ids):
+            if r.token_ids != ref:
                 sys.exit(f"LOSSLESSNESS VIOLATION at budget {budget}: speculative output differs from AR")
         tokens = sum(r.new_tokens for r in runs)
         seconds = sum(r.seconds for r in runs)

@@ -36,7 +36,8 @@ def plot_training_log(log_file: str | Path, png: str | Path) -> bool:
     ax_loss.set(xlabel="step", ylabel="loss", title="distillation loss")
     ax_agree.set(xlabel="step", ylabel="top-1 agreement", title="held-out draft/teacher agreement", ylim=(0, 1))
     ax_loss.legend()
-    ax_agree.legend()
+    if evals:
+        ax_agree.legend()
     fig.tight_layout()
     tmp = Path(png).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=90)
