@@ -121,3 +121,22 @@ def test_config_validation(target):
         DraftHeadConfig.for_target(target, attention="sideways")
     with pytest.raises(ValueError, match="block_size"):
         DraftHeadConfig.for_target(target, block_size=1)
+
+
+def test_feature_scale_evens_out_massive_dimensions_and_is_saved(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = make_head(target)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(50, 2 * target.hidden_size, generator=g)
+    feats[:, 3] += 400.0  # a massive, nearly constant dimension
+    head.set_feature_scale(feats)
+    scaled = feats / head.feature_scale
+    torch.testing.assert_close(scaled.pow(2).mean(0), torch.ones(feats.shape[1]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(head.fuse(feats), head.hidden_norm(head.fc(scaled)))
+    path = head.save_pretrained(tmp_path / "d")
+    assert torch.equal(DraftHead.from_pretrained(path).feature_scale, head.feature_scale)
+    state = load_file(path / "model.safetensors")  # a checkpoint from before the scale existed
+    del state["feature_scale"]
+    save_file(state, path / "model.safetensors")
+    assert torch.equal(DraftHead.from_pretrained(path).feature_scale, torch.ones(feats.shape[1]))

@@ -109,6 +109,8 @@ def test_cached_teacher_gives_the_online_loss_and_trains_a_reduced_vocab_head(ta
     trainer = Trainer(target, seqs, tmp_path / "reduced", config(lr=1e-2, epochs=150, draft_vocab=48),
                       teacher_cache=small)
     assert trainer.head.config.draft_vocab_size == 48
+    expected = trainer.sample_features().pow(2).mean(0).sqrt().clamp(min=1e-2)  # RMS of training features
+    torch.testing.assert_close(trainer.head.feature_scale, expected)
     counts = token_counts((seqs[i] for i in trainer.train_set), target.vocab_size)
     cutoff = sorted(counts.tolist(), reverse=True)[47]
     kept = set(trainer.head.draft_ids.tolist())

@@ -139,6 +139,12 @@ class DraftHead(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
+        # Per-dimension scale of the tapped target features (their RMS over training data). Targets
+        # carry massive activations: in SmolLM2 a few dimensions hold a large, nearly constant value
+        # (|mean| ~450 in layer 27 against a typical spread of ~15), so the raw concatenation is
+        # dominated by them and the head learns to read the informative dimensions only slowly.
+        # Dividing by the RMS puts every dimension on one scale; it folds into ``fc`` for export.
+        self.register_buffer("feature_scale", torch.ones(len(c.target_layer_ids) * c.hidden_size))
         if c.reduced_vocab:  # EAGLE-3 names, so vLLM reads the mapping as is
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
@@ -175,7 +181,15 @@ class DraftHead(nn.Module):
     # ---------------------------------------------------------------- forward pieces
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., C, taps*H] -> fused context features [..., C, H]."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        x = features.to(self.fc.weight.dtype) / self.feature_scale.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    @torch.no_grad()
+    def set_feature_scale(self, features: torch.Tensor, eps: float = 1e-2) -> None:
+        """Set the per-dimension scale from sample features [N, taps*H] (the first position of each
+        sequence, an attention sink with values of ~1e4, should be left out)."""
+        rms = features.float().pow(2).mean(0).sqrt().clamp(min=eps)
+        self.feature_scale.copy_(rms.to(self.feature_scale))
 
     def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys/values of the fused context, each [..., kv_heads, C, head_dim]."""
@@ -227,6 +241,7 @@ class DraftHead(nn.Module):
             check_compatible(config, target)
         head = cls(config)
         state = load_file(weights)
+        state.setdefault("feature_scale", head.feature_scale)  # checkpoints from before the scale existed
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DrafterMismatchError(f"{weights} does not match its config: missing {missing[:4]}, "

@@ -105,6 +105,7 @@ class Trainer:
         n_eval = min(config.eval_sequences, len(sequences) // 5)
         self.eval_set, self.train_set = order[:n_eval], order[n_eval:]  # indices into ``sequences``
         torch.manual_seed(config.seed)
+        fresh_head = head is None
         if head is None:
             vocab = config.draft_vocab if 0 < config.draft_vocab < target.vocab_size else None
             head = DraftHead(DraftHeadConfig.for_target(
@@ -118,6 +119,8 @@ class Trainer:
         self.embed = target.model.get_input_embeddings()
         self.teacher_cache = teacher_cache
         self._bind_vocab()
+        if fresh_head:
+            self.head.set_feature_scale(self.sample_features())
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         per_step = config.batch_size * config.grad_accum * self.world
         self.steps_per_epoch = max(1, len(self.train_set) // per_step)
@@ -135,6 +138,13 @@ class Trainer:
         else:
             cache = TeacherCache(self.teacher_cache, self.sequences, target, self.head.config.target_layer_ids)
             self.teacher = CachedTeacher(cache, draft_ids, target.vocab_size, target.device)
+
+    def sample_features(self, count: int = 32) -> torch.Tensor:
+        """Tapped features of up to ``count`` training sequences, first position (attention sink)
+        left out: the statistics behind the head's feature scale."""
+        picks = self.train_set[:count]
+        feats = [self.teacher.fetch(i, self.sequences[i], torch.zeros(0, dtype=torch.long))[0][1:] for i in picks]
+        return torch.cat(feats)
 
     # ------------------------------------------------------------------ schedule and data order
     def lr_at(self, step: int) -> float:
