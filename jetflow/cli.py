@@ -148,7 +148,8 @@ def cmd_train(args) -> int:
                          attention=args.attention, block_size=args.block_size, anchors_per_seq=args.anchors_per_seq,
                          layers=args.layers, lr=args.lr, epochs=args.epochs, batch_size=args.batch,
                          grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
-                         save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab)
+                         save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
+                         feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding)
     fractions = _fractions(args.snapshot_at)
     _init_distributed()
     target = _load_jetflow_target(args)
@@ -176,7 +177,9 @@ def _initial_head(args, target, config):
     c = head.config
     vocab = c.draft_vocab_size if c.reduced_vocab else 0
     wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
-              "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab)}
+              "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
+              "feed-last-feature": (c.feed_last_feature, config.feed_last_feature),
+              "depth-embedding": (c.depth_embedding, config.depth_embedding)}
     bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
     if bad:
         raise JetFlowError(f"--init-from {args.init_from} does not match " + ", ".join(bad))
@@ -304,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a `jetflow cache-teacher` directory for these data (default: run the target online)")
     t.add_argument("--draft-vocab", type=_non_negative_int, default=0,
                    help="predict only the N most frequent answer tokens (0 = the full vocabulary)")
+    t.add_argument("--feed-last-feature", action="store_true",
+                   help="add the anchor embedding and the target feature before it to every slot's input")
+    t.add_argument("--depth-embedding", action="store_true", help="learned per-depth embedding of the block slots")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,

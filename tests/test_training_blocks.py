@@ -67,25 +67,26 @@ def test_losses_match_direct_formulas():
 
 
 @pytest.mark.parametrize("attention", ["causal", "bidirectional"])
-def test_training_forward_equals_inference_drafting(tokenizer, attention):
+@pytest.mark.parametrize("feed_last_feature", [False, True])
+def test_training_forward_equals_inference_drafting(tokenizer, attention, feed_last_feature):
     """All blocks of a sequence trained in one forward see exactly what the decoder's drafter sees
     when it drafts from that anchor."""
     from jetflow.decoding.block_drafter import BlockDrafter
     from jetflow.models.draft_head import DraftHead, DraftHeadConfig
     from jetflow.models.target import TargetModel
+    from jetflow.training.trainer import blocks_forward
     from tiny import tiny_model
 
     target = TargetModel(tiny_model("llama"), tokenizer, tapped_layers=[0, 2])
     torch.manual_seed(0)
-    head = DraftHead(DraftHeadConfig.for_target(target, attention=attention, block_size=5)).eval()
+    head = DraftHead(DraftHeadConfig.for_target(target, attention=attention, block_size=5,
+                                                feed_last_feature=feed_last_feature)).eval()
     tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
     features = target.prefill(tokens.tolist()).hidden
     anchors = torch.tensor([4, 9, 15])
     blocks = make_blocks(tokens, anchors, 5, head.config.mask_token_id)
-    embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        ctx = head.context_kv(head.fuse(features), torch.arange(20))
-        hidden = head(embed(blocks.block_ids), blocks.positions, ctx, training_mask(anchors, 20, 5, attention == "causal"))
+        hidden = blocks_forward(head, target.model.get_input_embeddings(), features, blocks)
         train_lp = target.model.get_output_embeddings()(hidden).log_softmax(-1).view(3, 5, -1)[:, 1:]
     for i, a in enumerate(anchors.tolist()):
         drafter = BlockDrafter(head, target)

@@ -25,6 +25,7 @@ class BlockDrafter:
 
     def reset(self) -> None:
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.last_feature: torch.Tensor | None = None  # fused feature of the last committed token
         self.context_len = 0
 
     @torch.inference_mode()
@@ -34,7 +35,9 @@ class BlockDrafter:
         if features.shape[0] == 0:
             return
         positions = torch.arange(self.context_len, self.context_len + features.shape[0], device=features.device)
-        new = self.head.context_kv(self.head.fuse(features), positions)
+        fused = self.head.fuse(features)
+        self.last_feature = fused[-1]
+        new = self.head.context_kv(fused, positions)
         if self.context_kv is None:
             self.context_kv = new
         else:
@@ -54,7 +57,7 @@ class BlockDrafter:
         ids[0] = anchor
         positions = torch.arange(position, position + b, device=device)
         mask = self.head.block_mask(self.context_len, device)
-        hidden = self.head(self.embed(ids), positions, self.context_kv, mask)
+        hidden = self.head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
         logprobs = (hidden[1:].to(self.lm_weight.dtype) @ self.lm_weight.T).float().log_softmax(-1)
         if self.draft_ids is None:
             return logprobs

@@ -48,6 +48,13 @@ class DraftHeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     draft_vocab_size: int | None = None  # None: the full target vocabulary
+    # Add the anchor's embedding and the fused target feature of the last committed position (the
+    # one before the anchor) to every block slot's input, so both reach each slot without first
+    # having to learn a sharp attention onto two positions out of hundreds.
+    feed_last_feature: bool = False
+    # A learned embedding of each slot's depth added to its input: MASK slots are otherwise identical
+    # and can tell "next token" from "8 tokens ahead" only through rotary attention patterns.
+    depth_embedding: bool = False
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
 
     def __post_init__(self):
@@ -66,7 +73,8 @@ class DraftHeadConfig:
 
     @classmethod
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
-                   mask_token_id: int | None = None, draft_vocab_size: int | None = None) -> "DraftHeadConfig":
+                   mask_token_id: int | None = None, draft_vocab_size: int | None = None,
+                   feed_last_feature: bool = False, depth_embedding: bool = False) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         c = target.config
         heads = c.num_attention_heads
@@ -87,6 +95,8 @@ class DraftHeadConfig:
             rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
             max_position_embeddings=target.max_context,
             draft_vocab_size=draft_vocab_size,
+            feed_last_feature=feed_last_feature,
+            depth_embedding=depth_embedding,
             target=target.identity(),
         )
 
@@ -139,6 +149,7 @@ class DraftHead(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
+        self.depth_embed = nn.Embedding(c.block_size, c.hidden_size) if c.depth_embedding else None
         # Per-dimension scale of the tapped target features (their RMS over training data). Targets
         # carry massive activations: in SmolLM2 a few dimensions hold a large, nearly constant value
         # (|mean| ~450 in layer 27 against a typical spread of ~15), so the raw concatenation is
@@ -177,6 +188,8 @@ class DraftHead(nn.Module):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+            elif isinstance(m, nn.Embedding):  # depth embedding: on the scale of the normed inputs
+                nn.init.normal_(m.weight, std=0.5)
 
     # ---------------------------------------------------------------- forward pieces
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -196,12 +209,23 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, fused.dtype)
         return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds, positions, context_kv, mask) -> torch.Tensor:
+    def forward(self, block_embeds, positions, context_kv, mask, last_feature=None) -> torch.Tensor:
         """Block hidden states after the final norm, [..., Q, H].
 
         block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
-        context_kv from :meth:`context_kv`, mask boolean [..., Q, C+Q] over [context, block]."""
+        context_kv from :meth:`context_kv`, mask boolean [..., Q, C+Q] over [context, block];
+        last_feature ([..., Q, H] or [H]): the fused context feature just before each slot's anchor,
+        used when ``config.feed_last_feature``."""
         x = block_embeds.to(self.fc.weight.dtype)
+        if self.config.feed_last_feature:
+            if last_feature is None:
+                raise ValueError("this head reads the last context feature: pass last_feature")
+            # Every slot starts from (anchor token, target state before it), EAGLE's input pair.
+            blocks = x.unflatten(-2, (-1, self.config.block_size))
+            x = (blocks + blocks[..., :1, :]).flatten(-3, -2) + last_feature.to(x.dtype)
+        if self.depth_embed is not None:  # slots are laid out block after block, depth 0..B-1 in each
+            depth = torch.arange(x.shape[-2], device=x.device) % self.config.block_size
+            x = x + self.depth_embed(depth).to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, context_kv):
             x = layer(x, cos, sin, mask, k, v)

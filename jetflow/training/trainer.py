@@ -25,7 +25,7 @@ from jetflow.decoding.prompt import stop_token_ids
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.draft_vocab import select_draft_vocab, target_to_draft_index, token_counts
 from jetflow.models.target import TargetModel
-from jetflow.training.blocks import make_blocks, sample_anchors, training_mask
+from jetflow.training.blocks import BlockBatch, make_blocks, sample_anchors, training_mask
 from jetflow.training.losses import LOSSES, block_loss
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
@@ -54,6 +54,8 @@ class TrainConfig:
     eval_every: int = 100
     eval_sequences: int = 16
     draft_vocab: int = 0  # 0: predict the full target vocabulary
+    feed_last_feature: bool = False
+    depth_embedding: bool = False
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -94,6 +96,20 @@ def load_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
     return sequences
 
 
+def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: BlockBatch) -> torch.Tensor:
+    """Hidden states [K*B, H] of all blocks of one sequence in one head forward: the training-time
+    equivalent of the decoder drafting from each anchor (tested to be exactly that)."""
+    device = features.device
+    fused = head.fuse(features)
+    ctx = head.context_kv(fused, torch.arange(features.shape[0], device=device))
+    mask = training_mask(blocks.anchors, features.shape[0], head.config.block_size,
+                         head.config.attention == "causal").to(device)
+    with torch.no_grad():
+        embeds = embed(blocks.block_ids.to(device))
+    last = fused[(blocks.anchors - 1).repeat_interleave(head.config.block_size).to(device)]  # before each anchor
+    return head(embeds, blocks.positions.to(device), ctx, mask, last)
+
+
 class Trainer:
     def __init__(self, target: TargetModel, sequences: list[Sequence], out_dir: str | Path, config: TrainConfig,
                  head: DraftHead | None = None, teacher_cache: str | Path | None = None):
@@ -110,7 +126,8 @@ class Trainer:
             vocab = config.draft_vocab if 0 < config.draft_vocab < target.vocab_size else None
             head = DraftHead(DraftHeadConfig.for_target(
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
-                draft_vocab_size=vocab))
+                draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
+                depth_embedding=config.depth_embedding))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
                 required = stop_token_ids(target.tokenizer, target.model.generation_config)
@@ -173,11 +190,7 @@ class Trainer:
         usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
         sel = usable.nonzero().flatten()
         features, teacher = self.teacher.fetch(index, seq, blocks.teacher_index[sel])
-        ctx = head.context_kv(head.fuse(features), torch.arange(len(tokens), device=device))
-        mask = training_mask(anchors, len(tokens), c.block_size, c.attention == "causal").to(device)
-        with torch.no_grad():
-            embeds = self.embed(blocks.block_ids.to(device))
-        hidden = head(embeds, blocks.positions.to(device), ctx, mask)
+        hidden = blocks_forward(head, self.embed, features, blocks)
         logits = hidden[sel.to(device)].to(self.lm_weight.dtype) @ self.lm_weight.T
         ones = torch.ones(len(sel), dtype=torch.bool, device=device)
         loss = block_loss(logits, teacher, labels[sel].to(device), ones, blocks.depth[sel].to(device),
