@@ -95,3 +95,21 @@ def test_speculative_long_rounds_hit_eos_mid_round(smollm2):
     *_, spec = speculative_stream(smollm2, OracleDrafter(smollm2, block_size=8), ids, params, out, 32, 3)
     assert spec.token_ids == ar.token_ids and spec.finish_reason == "stop"
     assert spec.stats["tau"] > 3
+
+
+def test_shipped_drafter_is_the_default_lossless_and_accepts_several_tokens(smollm2):
+    from jetflow.eval.datasets import load_eval_set
+    from jetflow.models.shipped import shipped_drafter
+
+    path = shipped_drafter("smollm2-135m-instruct")
+    assert path is not None, "the SmolLM2 drafter must ship in jetflow/drafters/"
+    jf = jetflow.JetFlow.from_pretrained(smollm2, "auto")
+    assert jf.drafter_path == str(path) and jf.drafter.head.config.attention == "causal"
+    accepted = rounds = 0
+    for prompt in load_eval_set("gsm8k-test", 2):
+        ar = jetflow.generate(smollm2, prompt.as_chat(), max_new_tokens=64)
+        spec = jf.generate(prompt.as_chat(), max_new_tokens=64, budget=64)
+        assert spec.token_ids == ar.token_ids
+        accepted += sum(spec.stats["accept_lengths"])
+        rounds += spec.stats["rounds"]
+    assert accepted / rounds > 1.5  # a trained head; an untrained one gives ~1.0
