@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto",
                    help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
                         "the drafter shipped for the target if there is one, else none")
-    g.add_argument("--budget", type=_non_negative_int, default=64, help="draft tree nodes per round (root not counted)")
+    g.add_argument("--budget", type=_non_negative_int, default=16,
+                   help="draft tree nodes per round, root not counted (default 16: the best on a 2-core CPU)")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")

@@ -17,7 +17,9 @@ from jetflow.models.draft_head import DraftHead
 from jetflow.models.shipped import shipped_drafter
 from jetflow.models.target import TargetModel
 
-DEFAULT_BUDGET = 64
+# Best measured budget for the shipped SmolLM2 drafter on a 2-core CPU (budget 16: 1.12x, 64: 0.65x);
+# bigger budgets raise tau but verification cost grows faster there. GPUs afford far more.
+DEFAULT_BUDGET = 16
 DEFAULT_WIDTH = 7
 
 
