@@ -20,6 +20,7 @@ from jetflow.data.prompts import Prompt
 from jetflow.data.shards import Sequence, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt, stop_token_ids
 from jetflow.errors import JetFlowError
+from jetflow.utils.fs import write_json_atomic
 from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.target import TargetModel
 
@@ -108,17 +109,12 @@ def regenerate(target: TargetModel, prompts: list[Prompt], out_dir: str | Path, 
                                          "answer_tokens": sum(s.answer_len for s in sequences),
                                          "seconds": time.perf_counter() - t0}
         manifest["wall_seconds"] += time.perf_counter() - t0
-        _write_manifest(manifest_path, manifest)
+        write_json_atomic(manifest_path, manifest)
     bar.close()
     shards = manifest["shards"].values()
     manifest["totals"] = {k: sum(s[k] for s in shards) for k in ("sequences", "prompt_tokens", "answer_tokens",
                                                                    "skipped_long_prompts")}
     manifest["complete"] = len(manifest["shards"]) == num_shards
-    _write_manifest(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest)
     return manifest
 
-
-def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)

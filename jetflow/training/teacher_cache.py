@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
+from jetflow.utils.fs import write_json_atomic
 from jetflow.models.target import TargetModel
 
 FORMAT = "jetflow-teacher-cache/1"
@@ -126,18 +127,13 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
         manifest["parts"][path.name] = {"sequences": len(part), "digest": digest,
                                         "tokens": int(tensors["offsets"][-1]), "seconds": seconds}
         manifest["wall_seconds"] += seconds
-        _write_json(manifest_path, manifest)
+        write_json_atomic(manifest_path, manifest)
     bar.close()
     manifest["complete"] = all(_part_path(out, i).name in manifest["parts"] for i in range(len(parts)))
     manifest["num_sequences"] = len(sequences)
-    _write_json(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest)
     return manifest
 
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
 
 
 class TeacherCache:

@@ -1,8 +1,9 @@
-"""Filesystem helpers: the cache location and atomic directory writes."""
+"""Filesystem helpers: the cache location, atomic directory writes and atomic JSON files."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -51,3 +52,11 @@ def replace_directory(final: Path) -> Iterator[Path]:
         final.rename(old)
     staged.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write a JSON file so readers see the old or the new content, never a torn one."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
