@@ -154,8 +154,12 @@ def cmd_train(args) -> int:
     _init_distributed()
     target = _load_jetflow_target(args)
     head = _initial_head(args, target, config) if args.init_from else None
-    trainer = Trainer(target, load_sequences(args.data, target), args.out, config, head=head,
-                      teacher_cache=args.teacher_cache)
+    sequences = load_sequences(args.data, target)
+    if args.max_sequences is not None:
+        if args.max_sequences > len(sequences):
+            raise JetFlowError(f"--max-sequences {args.max_sequences}: {args.data} holds only {len(sequences)}")
+        sequences = sequences[:args.max_sequences]
+    trainer = Trainer(target, sequences, args.out, config, head=head, teacher_cache=args.teacher_cache)
     if args.resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
     elif (Path(args.out) / "trainer_state").exists() and not args.resume:
@@ -303,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--eval-every", type=_positive_int, default=100)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="stop after this step (resumable)")
+    t.add_argument("--max-sequences", type=_positive_int, default=None,
+                   help="train on the first N sequences of --data in shard order (learning curves over data size; "
+                        "with --teacher-cache, N must end on one of its parts)")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--teacher-cache", type=Path, default=None,
                    help="a `jetflow cache-teacher` directory for these data (default: run the target online)")

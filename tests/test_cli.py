@@ -103,6 +103,12 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
     assert main(args) == 2 and "--resume" in capsys.readouterr().err
     assert main(args + ["--resume"]) == 0
+    capsys.readouterr()
+    subset = args[:6] + [str(tmp_path / "sub")] + args[7:] + ["--max-sequences", "3"]
+    assert main(subset) == 0  # 3 sequences, none held out: 1 step per epoch
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "step": 2, "total_steps": 2, "train_sequences": 3}
+    assert main(subset[:-1] + ["9"]) == 2 and "holds only 5" in capsys.readouterr().err
     assert main(["train", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "manifest.json" in capsys.readouterr().err
 
@@ -134,6 +140,13 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 40
     assert len(list((tmp_path / "run" / "snapshots").iterdir())) == 1
+    capsys.readouterr()
+    assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",
+                 str(tmp_path / "cache3"), "--top-k", "8", "--part-size", "2"]) == 0
+    subset = train[:6] + [str(tmp_path / "sub")] + train[7:-1] + [str(tmp_path / "cache3"), "--max-sequences", "3"]
+    assert main(subset) == 2 and "multiple of 2" in capsys.readouterr().err
+    assert main(subset[:-1] + ["4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_sequences"] == 4
     warm = train + ["--init-from", str(tmp_path / "run" / "drafter"), "--out", str(tmp_path / "warm")]
     assert main(warm) == 0
     assert main(warm[:-2] + ["--draft-vocab", "30", "--out", str(tmp_path / "w2")]) == 2

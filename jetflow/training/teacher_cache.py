@@ -160,6 +160,9 @@ class TeacherCache:
         for index in range(0, (len(sequences) + per - 1) // per):
             part = sequences[index * per:(index + 1) * per]
             entry = m["parts"].get(_part_path(self.dir, index).name)
+            if entry is not None and entry["sequences"] > len(part):
+                raise JetFlowError(f"teacher cache {self.dir} stores {per} sequences per part: a subset of the "
+                                   f"data must hold a multiple of {per} sequences, got {len(sequences)}")
             if entry is None or entry["digest"] != tokens_digest(part):
                 raise JetFlowError(f"teacher cache {self.dir} does not cover these sequences (part {index} is "
                                    f"missing or was built from other data); run `jetflow cache-teacher` again")

@@ -275,7 +275,7 @@ class Trainer:
             loss = self.train_step()
             self.elapsed += time.perf_counter() - t0
             record = {"step": self.step, "loss": loss, "lr": self.lr_at(self.step - 1), "seconds": self.elapsed}
-            if self.step % self.config.eval_every == 0 or self.step == end:
+            if self.eval_set and (self.step % self.config.eval_every == 0 or self.step == end):
                 record.update(self.evaluate())
             if self.rank == 0:
                 with open(log_file, "a") as f:
@@ -285,4 +285,4 @@ class Trainer:
                 self.save()
             if self.step in snapshots and self.rank == 0:
                 self.head.save_pretrained(self.out / "snapshots" / f"step-{self.step:06d}")
-        return {"step": self.step, "total_steps": self.total_steps}
+        return {"step": self.step, "total_steps": self.total_steps, "train_sequences": len(self.train_set)}
