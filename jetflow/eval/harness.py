@@ -1,0 +1,170 @@
+"""`jetflow bench`: every (dataset, method, budget) run on the same prompts, with raw per-prompt
+numbers, summaries against the autoregressive baseline, and an equality check of every output.
+
+A run is saved as one JSON file as soon as it ends; a rerun with the same settings reuses it, so a
+killed sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jetflow.eval.datasets import EvalPrompt
+from jetflow.eval.methods import MethodRunner, MethodSpec
+from jetflow.utils.fs import write_json_atomic
+
+PHASES = ("draft", "tree", "verify", "accept", "commit")
+
+
+@dataclass
+class BenchSettings:
+    target: str
+    drafters: dict[str, str | None]  # attention kind -> checkpoint path
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    limit: int | None = None
+    width: int = 7
+    repeats: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def key(self) -> dict:
+        return dict(self.__dict__)
+
+
+def run_name(dataset: str, spec: MethodSpec, budget: int | None) -> str:
+    return f"{dataset}__{spec.name}" + (f"__b{budget}" if budget is not None else "")
+
+
+def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt], budget: int | None,
+                settings: BenchSettings, progress: bool = True) -> list[dict]:
+    """One record per (prompt, turn); later turns are asked after the method's own answers."""
+    records = []
+    bar = tqdm(prompts, desc=f"{spec.name}" + (f" b{budget}" if budget is not None else ""), unit="prompt",
+               disable=not progress, leave=False)
+    for prompt in bar:
+        answers: list[str] = []
+        for turn in range(len(prompt.turns)):
+            request = prompt.request(answers)
+            runs = [runner.run(spec, request, budget=budget, max_new_tokens=settings.max_new_tokens,
+                               temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
+                    for _ in range(settings.repeats)]
+            result = runs[0]
+            stats = result.stats
+            records.append({
+                "id": prompt.id, "turn": turn, "new_tokens": result.new_tokens,
+                "seconds": statistics.median(r.seconds for r in runs),
+                "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
+                "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
+                "time_split": stats.get("time_split"), "finish_reason": result.finish_reason,
+                "token_ids": result.token_ids,
+            })
+            answers.append(result.text)
+    return records
+
+
+def summarize(records: list[dict], reference: list[dict] | None, greedy: bool) -> dict:
+    """Totals and means of one run; ``reference`` is the ar run on the same prompts."""
+    tokens = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    rounds = sum(r["rounds"] for r in records)
+    lengths = [a for r in records for a in (r["accept_lengths"] or [])]
+    out = {"prompts": len({r["id"] for r in records}), "turns": len(records), "new_tokens": tokens,
+           "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0, "rounds": rounds,
+           # tokens per target forward after the prefill (its token is not from a round)
+           "tau": (tokens - len(records)) / rounds if rounds else 1.0}
+    if lengths:
+        out["tau"] = sum(lengths) / len(lengths)
+        out["accept_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
+        out["per_depth_acceptance"] = [sum(a - 1 >= d for a in lengths) / len(lengths)
+                                       for d in range(1, max(lengths))]
+    splits = [r["time_split"] for r in records if r["time_split"]]
+    if splits and rounds:
+        ms = {p: sum(s[p] for s in splits) * 1e3 / rounds for p in PHASES}
+        decode = sum(r["seconds"] - r["prefill_seconds"] for r in records) * 1e3 / rounds
+        ms["other"] = max(0.0, decode - sum(ms.values()))
+        out["ms_per_round"] = ms
+    if reference is not None:
+        ref = {(r["id"], r["turn"]): r for r in reference}
+        ref_tps = sum(r["new_tokens"] for r in reference) / sum(r["seconds"] for r in reference)
+        out["speedup"] = out["tokens_per_s"] / ref_tps  # headline: ratio of totals
+        ratios = [(r["new_tokens"] / r["seconds"]) / (ref[k]["new_tokens"] / ref[k]["seconds"])
+                  for r in records if (k := (r["id"], r["turn"])) in ref and r["seconds"] and ref[k]["seconds"]]
+        out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
+        if greedy:
+            out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
+                                 if (r["id"], r["turn"]) not in ref or r["token_ids"] != ref[(r["id"], r["turn"])]["token_ids"]]
+    return out
+
+
+def load_or_run(path: Path, key: dict, compute) -> dict:
+    """The run stored at ``path`` when it was made with ``key``; otherwise compute and store it."""
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return stored
+        except json.JSONDecodeError:
+            pass  # a damaged file is recomputed
+    run = compute()
+    run["key"] = key
+    write_json_atomic(path, run)
+    return run
+
+
+def report_mismatches(runs: list[dict], greedy: bool) -> int:
+    """Print every output that differs from ar under greedy decoding; returns how many."""
+    if not greedy:
+        return 0
+    bad = 0
+    for run in runs:
+        miss = run["summary"].get("mismatches") or []
+        if miss:
+            bad += len(miss)
+            print(f"LOSSLESSNESS VIOLATION: {run['method']} on {run['dataset']}"
+                  + (f" at budget {run['budget']}" if run["budget"] is not None else "")
+                  + f": {len(miss)} output(s) differ from ar, e.g. {miss[:3]}", file=sys.stderr)
+    return bad
+
+
+def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
+                  budgets: list[int], settings: BenchSettings, out_dir: Path, progress: bool = True) -> list[dict]:
+    """All runs (ar first on each dataset), each saved to ``out_dir/runs/NAME.json`` and summarized."""
+    greedy = settings.temperature == 0
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    warmed: set[str] = set()
+    runs = []
+    for dataset, prompts in datasets.items():
+        reference = None
+        for spec in methods:
+            for budget in (budgets if spec.tree else [None]):
+                name = run_name(dataset, spec, budget)
+                key = {**settings.key(), "dataset": dataset, "method": spec.name, "budget": budget,
+                       "prompt_ids": [p.id for p in prompts]}
+
+                def compute(spec=spec, budget=budget):
+                    if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
+                        runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8,
+                                   chat=prompts[0].chat)
+                        warmed.add(spec.name)
+                    return {"records": run_prompts(runner, spec, prompts, budget, settings, progress)}
+
+                run = load_or_run(out_dir / "runs" / f"{name}.json", key, compute)
+                if spec.name == "ar":
+                    reference = run["records"]
+                run.update(dataset=dataset, method=spec.name, budget=budget,
+                           summary=summarize(run["records"], reference, greedy))
+                write_json_atomic(out_dir / "runs" / f"{name}.json", run)
+                s = run["summary"]
+                if progress:
+                    print(f"{dataset:10s} {spec.name:14s} {'' if budget is None else budget:>5} tau {s['tau']:5.2f} "
+                          f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
+                runs.append(run)
+    return runs

@@ -1,0 +1,133 @@
+"""`jetflow bench`: methods, harness, summaries, cost model and reports on a tiny random model."""
+
+import json
+
+import pytest
+import torch
+
+from jetflow.cli import main
+from jetflow.eval.cost_model import measure_costs, speedup_bound
+from jetflow.eval.harness import summarize
+from jetflow.eval.methods import METHODS, MethodRunner, parse_methods
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dir, tmp_path_factory):
+    target = TargetModel.load(str(tiny_dir))
+    root = tmp_path_factory.mktemp("heads")
+    paths = {}
+    for kind, layers in (("causal", None), ("bidirectional", [0, 1])):
+        torch.manual_seed(1)
+        if layers:  # the baseline reads other target layers: the runner must switch the taps
+            target.set_tapped_layers(layers)
+        head = DraftHead(DraftHeadConfig.for_target(target, block_size=6, attention=kind))
+        paths[kind] = head.save_pretrained(root / kind)
+    return paths
+
+
+def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
+    target = TargetModel.load(str(tiny_dir))
+    loaded = {k: DraftHead.from_pretrained(p, target=target) for k, p in heads.items()}
+    runner = MethodRunner(target, loaded, width=3)
+    prompt = [{"role": "user", "content": "hello there"}]
+    ar = runner.run(METHODS["ar"], prompt, budget=None, max_new_tokens=20)
+    for name, spec in METHODS.items():
+        result = runner.run(spec, prompt, budget=8 if spec.tree else None, max_new_tokens=20)
+        assert result.token_ids == ar.token_ids, name
+        assert result.stats["rounds"] >= 1
+        if spec.head is not None:
+            assert result.stats["rounds"] == len(result.stats["accept_lengths"])
+            assert max(result.stats["mean_tree_size"], 0) <= (8 if spec.tree else 5)
+    chain = runner.run(METHODS["jetflow-chain"], prompt, budget=None, max_new_tokens=20)
+    assert chain.stats["width"] == 1 and chain.stats["budget"] == 5  # block_size - 1 drafts in a path
+
+
+def test_method_list_and_missing_heads(tiny_dir):
+    assert [m.name for m in parse_methods("jetflow,pld")] == ["ar", "jetflow", "pld"]  # ar always first
+    with pytest.raises(Exception, match="unknown method.*nope.*known: ar, hf, pld"):
+        parse_methods("ar,nope")
+    runner = MethodRunner(TargetModel.load(str(tiny_dir)), {})
+    with pytest.raises(Exception, match="'ddtree' needs a bidirectional draft head: pass --baseline-drafter"):
+        runner.check(METHODS["ddtree"])
+
+
+def _rec(pid, turn, tokens, seconds, rounds, lengths=None, ids=None):
+    return {"id": pid, "turn": turn, "new_tokens": tokens, "seconds": seconds, "prefill_seconds": 0.0,
+            "rounds": rounds, "accept_lengths": lengths, "time_split": None, "token_ids": ids or [1] * tokens}
+
+
+def test_summary_formulas_against_hand_computed_values():
+    ar = [_rec("a", 0, 10, 1.0, 9), _rec("b", 0, 20, 4.0, 19)]  # 30 tokens in 5 s: 6 tok/s
+    spec = [_rec("a", 0, 10, 0.5, 3, [3, 3, 3]), _rec("b", 0, 20, 1.0, 5, [5, 4, 4, 3, 3], ids=[2] * 20)]
+    s = summarize(spec, ar, greedy=True)
+    assert s["tokens_per_s"] == pytest.approx(20.0) and s["speedup"] == pytest.approx(20 / 6)
+    assert s["speedup_per_prompt_mean"] == pytest.approx((2.0 + 4.0) / 2)  # per prompt: 20/10, 20/5
+    assert s["tau"] == pytest.approx(28 / 8)
+    assert s["accept_histogram"] == {"3": 5, "4": 2, "5": 1}
+    assert s["per_depth_acceptance"] == pytest.approx([1.0, 1.0, 3 / 8, 1 / 8])
+    assert s["mismatches"] == ["b#0"]
+    assert summarize(ar, ar, greedy=True)["tau"] == pytest.approx(1.0)  # 28 tokens after prefill / 28 forwards
+    assert "mismatches" not in summarize(spec, ar, greedy=False)
+
+
+def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
+    from jetflow.decoding.block_drafter import BlockDrafter
+
+    target = TargetModel.load(str(tiny_dir))
+    drafter = BlockDrafter(DraftHead.from_pretrained(heads["causal"], target=target), target)
+    costs = measure_costs(target, [4, 16], drafter, context=32, reps=2)
+    assert costs["c1_ms"] > 0 and set(costs["verify_ms"]) == {4, 16} and set(costs["draft_ms"]) == {4, 16}
+    assert costs["verify_ratio"][4] == pytest.approx(costs["verify_ms"][4] / costs["c1_ms"])
+    assert target.past_len == 0
+    assert speedup_bound(3.0, costs, 4) == pytest.approx(
+        3.0 * costs["c1_ms"] / (costs["draft_ms"][4] + costs["verify_ms"][4]))
+
+
+def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path, capsys, monkeypatch):
+    args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--baseline-drafter",
+            str(heads["bidirectional"]), "--datasets", "gsm8k,mtbench,humaneval", "--limit", "1",
+            "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain", "--budgets", "4,8",
+            "--max-new-tokens", "6", "--width", "3", "--out", str(tmp_path / "b")]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["runs"] == 3 * 9 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
+    run = json.loads((tmp_path / "b" / "runs" / "mtbench__jetflow__b8.json").read_text())
+    assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
+    assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"}  # 5 = chain of block_size - 1
+    md = (tmp_path / "b" / "summary.md").read_text()
+    assert "| gsm8k | ddtree | 8 |" in md and "## Cost model" in md and "**NO" not in md
+
+    from jetflow.eval import methods
+
+    calls = []
+    real = methods.MethodRunner.run
+
+    def spy(self, spec, *a, **k):
+        calls.append(spec.name)
+        result = real(self, spec, *a, **k)
+        if spec.name == "pld":
+            result.token_ids = result.token_ids[:-1] + [5]  # a corrupted output must fail the run
+        return result
+
+    monkeypatch.setattr(methods.MethodRunner, "run", spy)
+    (tmp_path / "b" / "runs" / "gsm8k__pld.json").unlink()
+    assert main(args + ["--no-cost-model"]) == 1
+    assert set(calls) == {"pld"}  # every other run was reused from its JSON
+    assert "LOSSLESSNESS VIOLATION: pld on gsm8k" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "ar,dflash"], "pass --baseline-drafter"),
+    (["--datasets", "nope"], "unknown evaluation set 'nope'"),
+    (["--budgets", "4,x"], "--budgets must be comma-separated integers"),
+    (["--budgets", "0"], "--budgets must be integers >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--drafter", "/no/such/dir"], "drafter checkpoint directory not found"),
+])
+def test_bench_bad_input(tiny_dir, tmp_path, capsys, extra, message):
+    assert main(["bench", "--target", str(tiny_dir), "--out", str(tmp_path / "o"), "--limit", "1"] + extra) == 2
+    assert message in capsys.readouterr().err
