@@ -238,7 +238,7 @@ def cmd_bench(args) -> int:
     from jetflow.decoding.block_drafter import BlockDrafter
     from jetflow.eval.cost_model import measure_costs
     from jetflow.eval.datasets import load_eval_set
-    from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark
+    from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark, typical_context
     from jetflow.eval.machine import machine
     from jetflow.eval.methods import MethodRunner, parse_methods
     from jetflow.eval.report import markdown, plots
@@ -281,7 +281,7 @@ def cmd_bench(args) -> int:
         head = next(iter(runner.decoders.values())).drafter if runner.decoders else None
         block = head.block_size if head else None
         sizes = sorted(set(budgets) | ({block - 1} if block else set()))
-        costs = measure_costs(target, sizes, head, width=args.width)
+        costs = measure_costs(target, sizes, head, context=typical_context(runs), width=args.width)
         if head is not None:
             head.reset()
     info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,

@@ -59,7 +59,7 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
             result = runs[0]
             stats = result.stats
             records.append({
-                "id": prompt.id, "turn": turn, "new_tokens": result.new_tokens,
+                "id": prompt.id, "turn": turn, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
                 "seconds": statistics.median(r.seconds for r in runs),
                 "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
                 "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
@@ -168,3 +168,12 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                           f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
                 runs.append(run)
     return runs
+
+
+def typical_context(runs: list[dict]) -> int:
+    """Mean context length over the decoding steps of the ar runs (prompt + half the answer): the
+    context at which the cost model measures forwards."""
+    recs = [r for run in runs if run["method"] == "ar" for r in run["records"]]
+    if not recs:
+        return 256
+    return max(1, round(sum(r.get("prompt_tokens", 0) + r["new_tokens"] / 2 for r in recs) / len(recs)))

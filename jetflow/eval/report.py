@@ -61,7 +61,8 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
                          + " | ".join(f"{ms[p]:.1f}" for p in phases) + " |")
     if costs:
         lines += ["", "## Cost model", "",
-                  f"Target forward over one token after {costs['context']} tokens: c(1) = {costs['c1_ms']:.1f} ms. "
+                  f"Target forward over one token after {costs['context']} tokens (the mean context of the ar "
+                  f"runs): c(1) = {costs['c1_ms']:.1f} ms. "
                   "bound = tau * c(1) / (c_draft + c(n+1)) with this run's tau: the speed-up if a round cost only "
                   "its draft and verify forwards.", "",
                   "| dataset | method | budget n | c(n+1)/c(1) | draft ms | verify ms | bound | measured |",
