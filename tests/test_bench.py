@@ -118,6 +118,15 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert main(args + ["--no-cost-model"]) == 1
     assert set(calls) == {"pld"}  # every other run was reused from its JSON
     assert "LOSSLESSNESS VIOLATION: pld on gsm8k" in capsys.readouterr().err
+    assert main(args[:4] + [str(heads["bidirectional"])] + args[5:]) == 2
+    assert "the causal methods need a causal head; the given one is bidirectional" in capsys.readouterr().err
+
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(2)
+    DraftHead(DraftHeadConfig.for_target(target, block_size=6)).save_pretrained(tmp_path / "other")
+    calls.clear()  # another causal drafter: its runs are redone, the drafter-free ones are reused
+    assert main(args[:4] + [str(tmp_path / "other")] + args[5:] + ["--methods", "ar,hf,jetflow"]) == 0
+    assert set(calls) == {"jetflow"}
 
 
 @pytest.mark.parametrize("extra, message", [

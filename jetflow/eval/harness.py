@@ -38,6 +38,16 @@ class BenchSettings:
     def key(self) -> dict:
         return dict(self.__dict__)
 
+    def run_key(self, spec: MethodSpec, dataset: str, budget: int | None, prompt_ids: list[str]) -> dict:
+        """What a run's numbers depend on: a stored run is reused only under the same key (so an ar
+        run is shared by benchmarks of different drafters, a jetflow run is not)."""
+        key = {k: v for k, v in self.key().items() if k not in ("drafters", "width")}
+        key.update(dataset=dataset, method=spec.name, budget=budget, prompt_ids=prompt_ids)
+        if spec.head is not None:
+            key["drafter"] = self.drafters.get(spec.head)
+            key["width"] = self.width if spec.tree else 1
+        return key
+
 
 def run_name(dataset: str, spec: MethodSpec, budget: int | None) -> str:
     return f"{dataset}__{spec.name}" + (f"__b{budget}" if budget is not None else "")
@@ -146,8 +156,7 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
                 name = run_name(dataset, spec, budget)
-                key = {**settings.key(), "dataset": dataset, "method": spec.name, "budget": budget,
-                       "prompt_ids": [p.id for p in prompts]}
+                key = settings.run_key(spec, dataset, budget, [p.id for p in prompts])
 
                 def compute(spec=spec, budget=budget):
                     if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
