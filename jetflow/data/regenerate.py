@@ -63,21 +63,36 @@ def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens
     return answers
 
 
+def dataset_answer(target: TargetModel, text: str, max_new_tokens: int) -> list[int]:
+    """A dataset's answer as the target would emit it: its tokens, then the end-of-turn token."""
+    eos = sorted(stop_token_ids(target.tokenizer, target.model.generation_config))
+    ids = list(target.tokenizer(text, add_special_tokens=False)["input_ids"]) + eos[:1]
+    return ids[:max_new_tokens]
+
+
 def regenerate(target: TargetModel, prompts: list[Prompt], out_dir: str | Path, *, max_new_tokens: int = 256,
                batch_size: int = 16, shard_size: int = 256, temperature: float = 0.0, seed: int = 0,
                max_prompt_tokens: int = 1024, sources: str = "", mix: dict | None = None,
-               progress: bool = True) -> dict:
+               answers: str = "target", progress: bool = True) -> dict:
     """Write ``shard-NNNNN.npz`` files (``shard_size`` prompts each) and ``manifest.json`` into
-    ``out_dir``. Shards already present are kept, so a killed run continues where it stopped."""
+    ``out_dir``. Shards already present are kept, so a killed run continues where it stopped.
+
+    ``answers="dataset"`` writes the datasets' own answers instead (``Prompt.reference`` + EOS, cut at
+    ``max_new_tokens``; prompts without one are skipped): the raw-data arm of the ablation that
+    shows why answers are regenerated."""
+    if answers not in ("target", "dataset"):
+        raise JetFlowError(f"answers must be 'target' or 'dataset', got {answers!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     settings = {"target": target.identity(), "sources": sources, "mix": mix, "num_prompts": len(prompts),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
                 "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens}
+    if answers != "target":  # only recorded when not the default, so older manifests still resume
+        settings["answers"] = answers
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
-        if {k: old.get(k) for k in settings} != settings:
+        if {k: old.get(k) for k in settings} != settings or old.get("answers", "target") != answers:
             raise JetFlowError(f"{out} holds a regeneration with other settings ({old.get('sources')}, "
                                f"{old.get('num_prompts')} prompts); use a new --out directory")
     manifest = {**settings, "shards": {}, "wall_seconds": 0.0}
@@ -97,6 +112,13 @@ def regenerate(target: TargetModel, prompts: list[Prompt], out_dir: str | Path, 
         encoded = sorted(((p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens), key=lambda x: len(x[1]))
         generator = torch.Generator(device=target.device).manual_seed(seed * 100_003 + index)
         sequences = []
+        if answers == "dataset":
+            no_answer = [p.id for p, _ in encoded if not p.reference]
+            encoded = [(p, ids) for p, ids in encoded if p.reference]
+            sequences = [Sequence(p.id, ids + dataset_answer(target, p.reference, max_new_tokens), len(ids))
+                         for p, ids in encoded]
+            bar.update(len(encoded) + len(no_answer))
+            encoded = []
         for b in range(0, len(encoded), batch_size):
             batch = encoded[b:b + batch_size]
             answers = generate_batch(target, [ids for _, ids in batch], max_new_tokens, temperature, generator)
@@ -108,6 +130,8 @@ def regenerate(target: TargetModel, prompts: list[Prompt], out_dir: str | Path, 
                                          "prompt_tokens": sum(s.prompt_len for s in sequences),
                                          "answer_tokens": sum(s.answer_len for s in sequences),
                                          "seconds": time.perf_counter() - t0}
+        if answers == "dataset":
+            manifest["shards"][path.name]["skipped_no_answer"] = len(no_answer)
         manifest["wall_seconds"] += time.perf_counter() - t0
         write_json_atomic(manifest_path, manifest)
     bar.close()
