@@ -236,7 +236,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from jetflow.decoding.block_drafter import BlockDrafter
-    from jetflow.eval.cost_model import measure_costs
+    from jetflow.decoding.costs import measure_costs
     from jetflow.eval.datasets import load_eval_set
     from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark, typical_context
     from jetflow.eval.machine import machine

@@ -10,12 +10,15 @@ import torch
 from jetflow.decoding.api import prepare_request
 from jetflow.decoding.autoregressive import autoregressive_stream
 from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.costs import CostCurve, cached_costs
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
 from jetflow.errors import InvalidRequestError
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.shipped import shipped_drafter
 from jetflow.models.target import TargetModel
+from jetflow.utils.fs import cache_root
 
 # Best measured budget for the shipped SmolLM2 drafter on a 2-core CPU (budget 16: 1.12x, 64: 0.65x);
 # bigger budgets raise tau but verification cost grows faster there. GPUs afford far more.
@@ -24,12 +27,21 @@ DEFAULT_WIDTH = 7
 
 
 class JetFlow:
-    def __init__(self, target: TargetModel, head: DraftHead | None = None, *, budget: int = DEFAULT_BUDGET,
-                 width: int = DEFAULT_WIDTH):
+    def __init__(self, target: TargetModel, head: DraftHead | None = None, *, budget: int | str = DEFAULT_BUDGET,
+                 width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None):
         self.target = target
         self.drafter = BlockDrafter(head, target) if head is not None else None
         self.budget, self.width = _check_tree_args(budget, width)
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
+        self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"
+        self._adaptive: AdaptiveBudget | None = None
+
+    def adaptive_budget(self) -> AdaptiveBudget:
+        """The budget chooser of ``budget="auto"``: made on first use from the machine's cost curve
+        (measured once, then read from ``cost_cache``); its acceptance counts persist across calls."""
+        if self._adaptive is None:
+            self._adaptive = AdaptiveBudget(CostCurve(cached_costs(self.target, self.drafter, self.cost_cache)))
+        return self._adaptive
 
     @classmethod
     def from_pretrained(cls, target: str | TargetModel | None = None, drafter: str | Path | DraftHead | None = None,
@@ -63,6 +75,8 @@ class JetFlow:
         prompt_ids, params, output = prepare_request(self.target, prompt, **request)
         if self.drafter is None:
             return autoregressive_stream(self.target, prompt_ids, params, output)
+        if budget == "auto":
+            budget = self.adaptive_budget()
         return speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
 
     def generate(self, prompt, *, stream: bool = False, **kwargs):
@@ -74,9 +88,9 @@ class JetFlow:
         return result
 
 
-def _check_tree_args(budget, width) -> tuple[int, int]:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise InvalidRequestError(f"budget must be an integer >= 0 (draft nodes per round), got {budget!r}")
+def _check_tree_args(budget, width) -> tuple[int | str, int]:
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise InvalidRequestError(f"budget must be an integer >= 0 (draft nodes per round) or 'auto', got {budget!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise InvalidRequestError(f"width must be an integer >= 1, got {width!r}")
     return budget, width

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jetflow.cli import main
-from jetflow.eval.cost_model import measure_costs, speedup_bound
+from jetflow.decoding.costs import measure_costs, speedup_bound
 from jetflow.eval.harness import summarize
 from jetflow.eval.methods import METHODS, MethodRunner, parse_methods
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from jetflow.decoding.acceptance import accept_path
 from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
@@ -25,10 +26,12 @@ def speculative_stream(
     prompt_ids: list[int],
     params: SamplingParams,
     output: OutputStream,
-    budget: int,
+    budget: int | AdaptiveBudget,
     width: int,
 ) -> Iterator[str | GenerationResult]:
-    """Yield text deltas as rounds commit tokens, then the :class:`GenerationResult`."""
+    """Yield text deltas as rounds commit tokens, then the :class:`GenerationResult`. ``budget`` is a
+    node count, or an :class:`AdaptiveBudget` that picks one per round."""
+    adaptive = budget if isinstance(budget, AdaptiveBudget) else None
     t0 = time.perf_counter()
     stats = SpeculativeStats(device=target.device)
     generator = params.make_generator(target.device)
@@ -45,10 +48,15 @@ def speculative_stream(
         if room < 0:
             output.finish("length")
             break
+        other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
         with stats.timed("draft"):
             lp = drafter.depth_logprobs(root, target.past_len)[:room]
         with stats.timed("tree"):
-            tree = build_tree(lp, root, budget, width)
+            if adaptive is None:
+                tree = build_tree(lp, root, budget, width)
+            else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
+                tree = build_tree(lp, root, adaptive.max_budget, width)
+                tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)
         with stats.timed("accept"):
@@ -56,6 +64,9 @@ def speculative_stream(
         with stats.timed("commit"):
             target.commit(path)
             drafter.extend(out.hidden[path])
+        if adaptive is not None:
+            adaptive.observe(tree, path, (stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
+                                          - other_before) * 1e3)
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)
@@ -66,4 +77,5 @@ def speculative_stream(
         yield delta
     yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s,
                                        method="jetflow",
-                                       stats={"budget": budget, "width": width, **stats.to_dict()})
+                                       stats={"budget": "auto" if adaptive else budget, "width": width,
+                                              **stats.to_dict()})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jetflow.eval.cost_model import speedup_bound
+from jetflow.decoding.costs import speedup_bound
 
 
 def _budget_cell(run: dict) -> str:

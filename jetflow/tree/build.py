@@ -51,6 +51,10 @@ class DraftTree:
         self.children[parent][token] = node
         return node
 
+    def prefix(self, size: int) -> "DraftTree":
+        """The first ``size`` nodes: for a best-first tree, the tree of budget ``size - 1``."""
+        return DraftTree(self.tokens[:size], self.parents[:size], self.depths[:size], self.scores[:size])
+
     @classmethod
     def root_only(cls, token: int) -> "DraftTree":
         return cls([int(token)], [-1], [0], [0.0])

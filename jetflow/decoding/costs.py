@@ -13,8 +13,11 @@ bigger budget stops paying off where c(n) grows steeply (CPUs) rather than stayi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -69,3 +72,67 @@ def speedup_bound(tau: float, costs: dict, budget: int, draft_ms: float | None =
     """tau * c(1) / (c_draft + c(n + 1)) for a budget measured by :func:`measure_costs`."""
     draft = costs["draft_ms"].get(budget, 0.0) if draft_ms is None else draft_ms
     return tau * costs["c1_ms"] / (draft + costs["verify_ms"][budget])
+
+
+def _interpolate(points: dict, n: float) -> float:
+    """Piecewise-linear through the measured (size, ms) points, extended linearly past the ends."""
+    xs = sorted(points)
+    ys = [points[x] for x in xs]
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < n:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+class CostCurve:
+    """Milliseconds of a round's parts as functions of the budget, from :func:`measure_costs`."""
+
+    def __init__(self, costs: dict):
+        self.costs = costs
+        self.c1_ms = costs["c1_ms"]
+
+    def verify_ms(self, budget: int) -> float:
+        return _interpolate(self.costs["verify_ms"], budget)
+
+    def draft_ms(self, budget: int) -> float:
+        return _interpolate(self.costs["draft_ms"], budget) if self.costs["draft_ms"] else 0.0
+
+    def round_ms(self, budget: int) -> float:
+        return self.draft_ms(budget) + self.verify_ms(budget)
+
+
+COST_BUDGETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+
+
+def cached_costs(target: TargetModel, drafter: BlockDrafter, cache_dir: str | Path, budgets=COST_BUDGETS,
+                 context: int = 256, reps: int = 5) -> dict:
+    """:func:`measure_costs` once per machine, model, dtype, thread count and head shape; later
+    calls read ``cache_dir/<key>.json`` (a damaged file is measured again)."""
+    from jetflow.eval.machine import cpu_name
+    from jetflow.utils.fs import write_json_atomic
+
+    c = drafter.head.config
+    key = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+           "threads": torch.get_num_threads(), "cpu": cpu_name(), "layers": c.num_hidden_layers,
+           "block_size": c.block_size, "draft_vocab": len(drafter.draft_ids) if drafter.draft_ids is not None else None,
+           "budgets": list(budgets), "context": context}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"costs-{digest}.json"
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return _int_keys(stored["costs"])
+        except (json.JSONDecodeError, KeyError):
+            pass
+    costs = measure_costs(target, list(budgets), drafter, context=context, reps=reps)
+    write_json_atomic(path, {"key": key, "costs": costs})
+    return costs
+
+
+def _int_keys(costs: dict) -> dict:
+    """JSON turns the budget keys into strings; back to ints."""
+    return {k: ({int(n): v for n, v in val.items()} if isinstance(val, dict) else val) for k, val in costs.items()}

@@ -1,0 +1,75 @@
+"""Adaptive draft budget: each round, verify the prefix of the best-first tree that maximises the
+expected tokens per millisecond.
+
+Best-first building adds nodes in descending score order and every parent precedes its children,
+so the tree of budget n is exactly the first n + 1 nodes of the tree of any larger budget. One build
+at the largest budget therefore prices every smaller budget at once:
+
+    E[tokens | n] = 1 + sum_{i <= n} P(node i is on the accepted path)
+    P(node i on path) = P(parent on path) * a(depth_i, q_i)
+
+where q_i is the head's own probability of node i's token at its depth and a(d, q) is the measured
+rate at which the target agreed with such a node when its parent was accepted (running counts per
+depth and probability bin, starting from a(d, q) = q). The cost of a round is the machine's
+measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jetflow.decoding.costs import CostCurve
+from jetflow.tree.build import DraftTree
+
+
+class AdaptiveBudget:
+    def __init__(self, costs: CostCurve, max_budget: int = 256, min_budget: int = 1, bins: int = 10,
+                 max_depth: int = 32, prior_trials: float = 4.0):
+        self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
+        self.bins, self.max_depth = bins, max_depth
+        mids = [(b + 0.5) / bins for b in range(bins)]
+        # Pseudo-counts: before any evidence a node is accepted as often as the head believes.
+        self.hits = [[prior_trials * m for m in mids] for _ in range(max_depth + 1)]
+        self.trials = [[prior_trials] * bins for _ in range(max_depth + 1)]
+        self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
+        self._rounds = 0
+        self._cost = [costs.round_ms(n) for n in range(max_budget + 1)]
+
+    def _cell(self, tree: DraftTree, node: int) -> tuple[int, int]:
+        q = math.exp(tree.scores[node] - tree.scores[tree.parents[node]])
+        return min(tree.depths[node], self.max_depth), min(self.bins - 1, int(q * self.bins))
+
+    def acceptance(self, depth: int, q: float) -> float:
+        d, b = min(depth, self.max_depth), min(self.bins - 1, int(q * self.bins))
+        return self.hits[d][b] / self.trials[d][b]
+
+    def expected_tokens(self, tree: DraftTree) -> list[float]:
+        """E[tokens per round] when verifying the first n + 1 nodes, for n = 0 .. len(tree) - 1."""
+        on_path = [1.0] + [0.0] * (len(tree) - 1)
+        expected = [1.0]
+        for node in range(1, len(tree)):
+            d, b = self._cell(tree, node)
+            on_path[node] = on_path[tree.parents[node]] * self.hits[d][b] / self.trials[d][b]
+            expected.append(expected[-1] + on_path[node])
+        return expected
+
+    def choose(self, tree: DraftTree) -> int:
+        """The number of draft nodes (a prefix of ``tree``'s node order) to verify this round."""
+        expected = self.expected_tokens(tree)
+        top = min(len(tree) - 1, self.max_budget)
+        if top < self.min_budget:
+            return top
+        return max(range(self.min_budget, top + 1),
+                   key=lambda n: expected[n] / (self._cost[n] + self.overhead_ms))
+
+    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None) -> None:
+        """Count, for every verified node whose parent was accepted, whether it was accepted too."""
+        accepted = set(path)
+        for node in range(1, len(tree)):
+            if tree.parents[node] in accepted:
+                d, b = self._cell(tree, node)
+                self.trials[d][b] += 1
+                self.hits[d][b] += node in accepted
+        if other_ms is not None:
+            self._rounds += 1
+            self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)

@@ -1,0 +1,97 @@
+"""Adaptive budget: tree prefixes, expected tokens, the choice, the statistics, and losslessness."""
+
+import math
+
+import pytest
+import torch
+
+import jetflow
+from jetflow.decoding import costs as costs_mod
+from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.costs import CostCurve
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+from jetflow.tree.build import DraftTree, build_tree
+
+
+def curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0):
+    sizes = [1, 4, 16, 64, 256]
+    return CostCurve({"c1_ms": base_ms, "verify_ms": {n: base_ms + per_node_ms * n for n in sizes},
+                      "draft_ms": {n: draft_ms for n in sizes}})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_first_prefix_is_the_smaller_budget_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(8, 50, generator=g).log_softmax(-1)
+    big = build_tree(lp, 7, 64, 4)
+    for n in (0, 1, 3, 10, 33, 64):
+        small = build_tree(lp, 7, n, 4)
+        p = big.prefix(n + 1)
+        assert (p.tokens, p.parents, p.depths, p.scores) == (small.tokens, small.parents, small.depths, small.scores)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = curve()
+    assert c.verify_ms(16) == pytest.approx(26.0) and c.verify_ms(10) == pytest.approx(20.0)
+    assert c.verify_ms(300) == pytest.approx(310.0)  # linear past the last point
+    assert c.round_ms(40) == pytest.approx(52.0)
+
+
+def hand_tree():
+    # root -> a (q .8) -> c (q .5); root -> b (q .2)
+    t = DraftTree.root_only(0)
+    a = t.add(1, 0, math.log(0.8))
+    t.add(2, 0, math.log(0.2))
+    t.add(3, a, math.log(0.8) + math.log(0.5))
+    return t
+
+
+def test_expected_tokens_brute_force_and_observe():
+    ab = AdaptiveBudget(curve(), bins=10)
+    t = hand_tree()
+    # prior: acceptance = bin mid of q -> .85, .25, .55
+    a, b, c = 0.85, 0.25, 0.55
+    assert ab.expected_tokens(t) == pytest.approx([1, 1 + a, 1 + a + b, 1 + a + b + a * c])
+    # brute force over outcomes: a accepted (then c or not), b accepted, or neither
+    outcomes = {("a", "c"): a * c, ("a",): a * (1 - c), ("b",): b, (): 1 - a - b}
+    assert sum(p * (1 + len(o)) for o, p in outcomes.items()) == pytest.approx(ab.expected_tokens(t)[-1])
+    ab.observe(t, [0, 1], other_ms=3.0)  # a accepted, c rejected; b rejected
+    d1_bin8, d1_bin2, d2_bin5 = (ab.hits[1][8], ab.trials[1][8]), (ab.hits[2 - 1][2], ab.trials[1][2]), \
+        (ab.hits[2][5], ab.trials[2][5])
+    assert d1_bin8 == pytest.approx((4 * 0.85 + 1, 5)) and d1_bin2 == pytest.approx((4 * 0.25, 5))
+    assert d2_bin5 == pytest.approx((4 * 0.55, 5)) and ab.overhead_ms == pytest.approx(3.0)
+
+
+def test_choice_follows_the_cost_curve():
+    lp = torch.full((15, 30), -10.0)
+    lp[:, 0] = math.log(0.97)  # a confident chain plus weak side branches
+    tree = build_tree(lp.log_softmax(-1), 5, 256, 7)
+    cheap = AdaptiveBudget(curve(per_node_ms=0.0))
+    steep = AdaptiveBudget(curve(per_node_ms=5.0))
+    expected = cheap.expected_tokens(tree)
+    assert cheap.choose(tree) >= 15  # free nodes: take the whole confident chain at least
+    n = steep.choose(tree)
+    assert n < cheap.choose(tree)
+    best = max(range(1, len(tree)), key=lambda k: expected[k] / (steep.costs.round_ms(k)))
+    assert n == best  # brute-force argmax of tokens per ms
+
+
+def test_auto_budget_is_lossless_and_its_cost_curve_is_cached(tiny_dir, tmp_path, monkeypatch):
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    calls = []
+    real = costs_mod.measure_costs
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: calls.append(1) or real(*a, **dict(k, reps=1)))
+    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
+    ar = jetflow.generate(target, "hello", max_new_tokens=24)
+    spec = jf.generate("hello", max_new_tokens=24)
+    assert spec.token_ids == ar.token_ids and spec.stats["budget"] == "auto"
+    sampled = [jf.generate("hi", max_new_tokens=16, temperature=0.9, seed=s).token_ids for s in (1, 1)]
+    assert sampled[0] == sampled[1]
+    again = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
+    assert again.generate("hello", max_new_tokens=24).token_ids == ar.token_ids
+    assert len(calls) == 1 and len(list(tmp_path.glob("costs-*.json"))) == 1
+    with pytest.raises(Exception, match="or 'auto'"):
+        jetflow.JetFlow(target, head, budget="fast")
