@@ -62,6 +62,10 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> int | str:
+    return "auto" if text == "auto" else _non_negative_int(text)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -247,9 +251,7 @@ def cmd_bench(args) -> int:
     from jetflow.utils.fs import write_json_atomic
 
     methods = parse_methods(args.methods)
-    budgets = sorted(set(_int_list(args.budgets, "--budgets")))
-    if any(b < 1 for b in budgets):
-        raise JetFlowError(f"--budgets must be integers >= 1, got {args.budgets!r}")
+    budgets = _budget_list(args.budgets)
     if args.temperature < 0:
         raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
     datasets = {name: load_eval_set(name, args.limit) for name in dict.fromkeys(
@@ -280,7 +282,7 @@ def cmd_bench(args) -> int:
     if not args.no_cost_model:
         head = next(iter(runner.decoders.values())).drafter if runner.decoders else None
         block = head.block_size if head else None
-        sizes = sorted(set(budgets) | ({block - 1} if block else set()))
+        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()))
         costs = measure_costs(target, sizes, head, context=typical_context(runs), width=args.width)
         if head is not None:
             head.reset()
@@ -291,6 +293,14 @@ def cmd_bench(args) -> int:
     written = plots(runs, out)
     print(_json.dumps({"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}))
     return 1 if report_mismatches(runs, args.temperature == 0) else 0
+
+
+def _budget_list(text: str) -> list[int | str]:
+    """--budgets: sorted distinct integers >= 1, then 'auto' if asked for."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(t == "auto" or t.isdigit() and int(t) >= 1 for t in items):
+        raise JetFlowError(f"--budgets must be comma-separated integers >= 1 or 'auto', got {text!r}")
+    return sorted({int(t) for t in items if t != "auto"}) + (["auto"] if "auto" in items else [])
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -326,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto",
                    help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
                         "the drafter shipped for the target if there is one, else none")
-    g.add_argument("--budget", type=_non_negative_int, default=16,
-                   help="draft tree nodes per round, root not counted (default 16: the best on a 2-core CPU)")
+    g.add_argument("--budget", type=_budget, default=16,
+                   help="draft tree nodes per round, root not counted (default 16: the best fixed budget on a 2-core "
+                        "CPU), or 'auto': chosen every round from the machine's cost curve and the acceptance so far")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")

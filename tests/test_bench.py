@@ -88,14 +88,17 @@ def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
 def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path, capsys, monkeypatch):
     args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--baseline-drafter",
             str(heads["bidirectional"]), "--datasets", "gsm8k,mtbench,humaneval", "--limit", "1",
-            "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain", "--budgets", "4,8",
+            "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain", "--budgets", "4,8,auto",
             "--max-new-tokens", "6", "--width", "3", "--out", str(tmp_path / "b")]
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))  # where 'auto' keeps the cost curve
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["runs"] == 3 * 9 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
+    assert out["runs"] == 3 * 11 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
     run = json.loads((tmp_path / "b" / "runs" / "mtbench__jetflow__b8.json").read_text())
     assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
     assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
+    auto = json.loads((tmp_path / "b" / "runs" / "gsm8k__jetflow__bauto.json").read_text())["summary"]
+    assert auto["mismatches"] == [] and 1 <= auto["mean_tree_size"] <= 256
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"}  # 5 = chain of block_size - 1
     md = (tmp_path / "b" / "summary.md").read_text()
@@ -132,8 +135,8 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "ar,dflash"], "pass --baseline-drafter"),
     (["--datasets", "nope"], "unknown evaluation set 'nope'"),
-    (["--budgets", "4,x"], "--budgets must be comma-separated integers"),
-    (["--budgets", "0"], "--budgets must be integers >= 1"),
+    (["--budgets", "4,x"], "--budgets must be comma-separated integers >= 1 or 'auto'"),
+    (["--budgets", "0"], "--budgets must be comma-separated integers >= 1 or 'auto'"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--drafter", "/no/such/dir"], "drafter checkpoint directory not found"),
 ])

@@ -73,7 +73,8 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
                 "seconds": statistics.median(r.seconds for r in runs),
                 "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
                 "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
-                "time_split": stats.get("time_split"), "finish_reason": result.finish_reason,
+                "time_split": stats.get("time_split"), "mean_tree_size": stats.get("mean_tree_size"),
+                "finish_reason": result.finish_reason,
                 "token_ids": result.token_ids,
             })
             answers.append(result.text)
@@ -95,6 +96,9 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool) -
         out["accept_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         out["per_depth_acceptance"] = [sum(a - 1 >= d for a in lengths) / len(lengths)
                                        for d in range(1, max(lengths))]
+    sized = [r for r in records if r.get("mean_tree_size") is not None]
+    if sized and rounds:  # draft nodes verified per round (the chosen budget under 'auto')
+        out["mean_tree_size"] = sum(r["mean_tree_size"] * r["rounds"] for r in sized) / rounds
     splits = [r["time_split"] for r in records if r["time_split"]]
     if splits and rounds:
         ms = {p: sum(s[p] for s in splits) * 1e3 / rounds for p in PHASES}

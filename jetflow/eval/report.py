@@ -111,9 +111,14 @@ def plots(runs: list[dict], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.8), squeeze=False)
         for ax, dataset in zip(axes[0], datasets):
             mine = [r for r in runs if r["dataset"] == dataset]
-            budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
+            budgets = sorted({r["budget"] for r in mine if isinstance(r["budget"], int)})
+            for run in (r for r in mine if r["budget"] == "auto"):  # a level, like the budget-free methods
+                ax.axhline(run["summary"].get(metric, 1.0), ls=":", lw=1.5, color=f"C{_order(run['method'])}",
+                           label=f"{run['method']} auto")
             for method in sorted({r["method"] for r in mine}, key=_order):
-                rs = [r for r in mine if r["method"] == method]
+                rs = [r for r in mine if r["method"] == method and r["budget"] != "auto"]
+                if not rs:
+                    continue
                 if rs[0]["budget"] is None:
                     if budgets:
                         ax.axhline(rs[0]["summary"].get(metric, 1.0), ls="--", lw=1, label=method,

@@ -57,6 +57,7 @@ def replace_directory(final: Path) -> Iterator[Path]:
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write a JSON file so readers see the old or the new content, never a torn one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
     tmp.replace(path)
