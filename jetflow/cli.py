@@ -295,6 +295,35 @@ def cmd_bench(args) -> int:
     return 1 if report_mismatches(runs, args.temperature == 0) else 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    import uvicorn
+
+    from jetflow.serve.app import CleanExitServer, create_app
+    from jetflow.serve.engine import Engine
+    from jetflow.serve.metrics import Metrics
+
+    jf = _load_jetflow(args)
+    if args.budget == "auto" and jf.drafter is not None:
+        print("measuring this machine's cost curve for --budget auto (cached after the first time) ...",
+              file=sys.stderr)
+        jf.adaptive_budget()
+    jf.generate("warm-up", max_new_tokens=4)  # first-call allocations before the first client
+    metrics = Metrics()
+    engine = Engine(jf, max_queue=args.max_queue, metrics=metrics)
+    name = args.model_name or jf.target.name
+    api_key = args.api_key or os.environ.get("JETFLOW_API_KEY") or None
+    app = create_app(engine, name, aliases=(jf.target.name,), api_key=api_key, max_body_bytes=args.max_body_bytes,
+                     metrics=metrics)
+    print(f"jetflow: serving {name!r} (drafter: {jf.drafter_path or 'none'}, budget: {args.budget}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    CleanExitServer(config).run()  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
+    return 0
+
+
 def _budget_list(text: str) -> list[int | str]:
     """--budgets: sorted distinct integers >= 1, then 'auto' if asked for."""
     items = [t.strip() for t in text.split(",")]
@@ -431,6 +460,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-cost-model", action="store_true", help="skip measuring the verify/draft cost curve")
     b.add_argument("--out", required=True, type=Path)
     b.set_defaults(func=cmd_bench)
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics, adaptive budget)")
+    _add_target_args(v)
+    v.add_argument("--drafter", default="auto", help="draft head dir, 'auto' (shipped one) or 'none'")
+    v.add_argument("--budget", type=_budget, default="auto",
+                   help="draft nodes per round, or 'auto' (default): chosen every round from this machine's cost "
+                        "curve and the acceptance seen so far")
+    v.add_argument("--width", type=_positive_int, default=7)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=_non_negative_int, default=8000)
+    v.add_argument("--max-queue", type=_positive_int, default=16,
+                   help="requests allowed to wait for the generation worker; more get 429 + Retry-After")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (or set "
+                                                    "JETFLOW_API_KEY)")
+    v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+    v.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to let open requests finish after SIGTERM before cancelling them")
+    v.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    v.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""Request parsing for the OpenAI-compatible endpoints: raw body -> a validated :class:`GenerationRequest`.
+
+Every rule names the offending field, so a client sees exactly what to fix (HTTP 400), and nothing
+reaches the model unless it is well-formed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from jetflow.serve.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt: str | list[dict]  # completion text, or chat messages
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(raw: bytes, max_bytes: int) -> dict:
+    if len(raw) > max_bytes:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number, got {json.dumps(value)}", name)
+    if value < low or (low_open and value == low) or value > high:
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)}", name)
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise bad_request(f"messages[{i}] needs a 'role' of system, user, assistant or developer", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if not any(m["role"] == "user" and m["content"].strip() for m in out):
+        raise bad_request("'messages' must contain a non-empty user message", "messages")
+    return out
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("'prompt' must be a string (batches of prompts are not supported)", "prompt")
+    if not prompt.strip():
+        raise bad_request("'prompt' must not be empty", "prompt")
+    return prompt
+
+
+def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    if model not in models:
+        raise APIError(404, f"The model '{model}' does not exist; this server has: {', '.join(sorted(models))}",
+                       param="model", code="model_not_found")
+    prompt = _messages(body) if kind == "chat" else _prompt(body)
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, limit_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'{limit_name}' must be >= 1, got {max_tokens}", limit_name)
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return GenerationRequest(
+        kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        stop=stop, seed=_integer(body, "seed"), stream=stream, include_usage=bool(options.get("include_usage")))

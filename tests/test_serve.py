@@ -1,0 +1,255 @@
+"""`jetflow serve` end to end: a real server process on a free loopback port, driven by the official
+`openai` client and raw HTTP (for inputs a client library would refuse to send)."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endless_dir(tmp_path_factory):
+    """A tiny Llama without an EOS token, so every generation runs to max_tokens (long jobs on demand)."""
+    from tiny import byte_tokenizer, tiny_model
+
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+    from jetflow.models.target import TargetModel
+
+    path = tmp_path_factory.mktemp("endless")
+    tok = byte_tokenizer()
+    tok.eos_token = None
+    model = tiny_model("llama")
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(path / "target")
+    tok.save_pretrained(path / "target")
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(TargetModel.load(str(path / "target")), block_size=6))
+    head.save_pretrained(path / "head")
+    return path
+
+
+def start_server(target, drafter, *extra, cache=None):
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    if cache:
+        env["JETFLOW_CACHE"] = str(cache)
+    proc = subprocess.Popen([sys.executable, "-m", "jetflow.cli", "serve", "--target", str(target), "--drafter",
+                             str(drafter), "--port", str(port), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(endless_dir, tmp_path_factory):
+    proc, base = start_server(endless_dir / "target", endless_dir / "head", "--budget", "8", "--width", "3",
+                              "--api-key", KEY, "--model-name", "tiny", "--max-queue", "2",
+                              "--max-body-bytes", "20000", cache=tmp_path_factory.mktemp("cache"))
+    yield base
+    assert stop(proc) == 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_chat_and_completions(client):
+    assert [m.id for m in client.models.list().data] == ["target", "tiny"]  # served name + target name
+    msgs = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 12
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 12
+    stats = chat.model_extra["jetflow"]
+    assert stats["rounds"] >= 1 and stats["tau"] >= 1 and stats["budget"] == 8
+    parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert text == chat.choices[0].message.content  # stream == non-stream under greedy
+    assert parts[-1].usage.completion_tokens == 12 and parts[-2].choices[0].finish_reason == "length"
+    comp = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=10, temperature=0, stream=True))
+    assert streamed == comp.choices[0].text and comp.usage.completion_tokens == 10
+
+
+def test_greedy_text_equals_offline_decoding_and_stop_strings(client, endless_dir):
+    import jetflow
+    from jetflow.models.target import TargetModel
+
+    target = TargetModel.load(str(endless_dir / "target"))
+    msgs = [{"role": "user", "content": "Tell me"}]
+    want = jetflow.generate(target, msgs, max_new_tokens=16).text
+    got = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want
+    stop = want[3:6]
+    cut = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == want[:want.index(stop)]
+    seeded = [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0.8, top_p=0.9,
+                                             seed=7).choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def post(base, path, body, key=KEY, raw=None, headers=None):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(base + path, content=content, headers={"Content-Type": "application/json", **h}, timeout=30)
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("body, raw, status, message", [
+    (None, b'{"model": "tiny", "messages": [', 400, "not valid JSON"),
+    (None, b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "not valid UTF-8"),
+    (None, b"[1, 2]", 400, "must be a JSON object"),
+    ({"model": "tiny"}, None, 400, "'messages' is required"),
+    ({**CHAT, "messages": []}, None, 400, "'messages' must be a non-empty list"),
+    ({**CHAT, "messages": [{"role": "user", "content": "  "}]}, None, 400, "non-empty user message"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "needs a 'role'"),
+    ({**CHAT, "model": "gpt-9"}, None, 404, "The model 'gpt-9' does not exist"),
+    ({**CHAT, "temperature": "hot"}, None, 400, "'temperature' must be a number"),
+    ({**CHAT, "max_tokens": "many"}, None, 400, "'max_tokens' must be an integer"),
+    ({**CHAT, "max_tokens": -5}, None, 400, "'max_tokens' must be >= 1"),
+    ({**CHAT, "max_tokens": 10 ** 9}, None, 400, "exceed this model's context of 512 tokens"),
+    ({**CHAT, "temperature": 2.5}, None, 400, "'temperature' must be in [0.0, 2.0]"),
+    ({**CHAT, "top_p": 0}, None, 400, "'top_p' must be in (0.0, 1.0]"),
+    ({**CHAT, "n": 3}, None, 400, "only n=1 is supported"),
+    ({**CHAT, "stop": [1]}, None, 400, "'stop' must be"),
+    ({**CHAT, "stream": "yes"}, None, 400, "'stream' must be a boolean"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x " * 300}]}, None, 400, "this model's context is 512"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x" * 30000}]}, None, 413, "exceeds the limit of 20000"),
+])
+def test_bad_input_gets_openai_shaped_4xx_and_the_server_stays_up(server, body, raw, status, message):
+    r = post(server, "/v1/chat/completions", body, raw=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and {"type", "param", "code"} <= err.keys()
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_completion_bad_input_and_auth(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": ""})
+    assert r.status_code == 400 and "'prompt' must not be empty" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": ["a", "b"]})
+    assert r.status_code == 400 and "batches of prompts" in r.json()["error"]["message"]
+    assert post(server, "/v1/chat/completions", CHAT, key=None).json()["error"]["message"].startswith("missing API key")
+    r = post(server, "/v1/chat/completions", CHAT, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+def test_full_queue_gets_429_with_retry_after(server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {**CHAT, "max_tokens": 400}
+            return await asyncio.gather(*[c.post(server + "/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {KEY}"}) for _ in range(8)])
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}  # queue of 2 (+ 1 running)
+    limited = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+    assert int(limited.headers["Retry-After"]) >= 1 and limited.json()["error"]["code"] == "queue_full"
+
+
+def metric(base, name) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_disconnect_cancels_and_metrics(server):
+    before = metric(server, "jetflow_cancelled_total")
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**CHAT, "max_tokens": 450, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.time() + 20
+    while metric(server, "jetflow_cancelled_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "jetflow_cancelled_total") == before + 1
+    text = httpx.get(server + "/metrics").text
+    assert 'jetflow_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "jetflow_tau_bucket" in text and "jetflow_queue_depth 0" in text
+    assert metric(server, "jetflow_generated_tokens_total") > 0
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_0(endless_dir, tmp_path):
+    proc, base = start_server(endless_dir / "target", endless_dir / "head", "--budget", "8", cache=tmp_path)
+    out = {}
+
+    async def long_request():
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(base + "/v1/completions", json={"model": "target", "prompt": "go", "max_tokens": 400})
+            out["status"], out["body"] = r.status_code, r.json()
+
+    async def main():
+        task = asyncio.create_task(long_request())
+        await asyncio.sleep(0.3)  # the request is running
+        proc.send_signal(signal.SIGTERM)
+        await task
+
+    asyncio.run(main())
+    assert proc.wait(timeout=60) == 0
+    assert out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == 400
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(base + "/health", timeout=2)
+
+
+@pytest.mark.real
+def test_smollm2_server_with_the_shipped_drafter(tmp_path):
+    import jetflow
+    from jetflow.models.target import TargetModel
+
+    proc, base = start_server("smollm2-135m-instruct", "auto", "--budget", "16", cache=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        msgs = [{"role": "user", "content": "What is 12 times 7?"}]
+        got = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48, temperature=0)
+        want = jetflow.generate(TargetModel.load("smollm2-135m-instruct"), msgs, max_new_tokens=48)
+        assert got.choices[0].message.content == want.text
+        assert got.model_extra["jetflow"]["tau"] > 1.2
+    finally:
+        assert stop(proc) == 0
