@@ -153,7 +153,8 @@ def cmd_train(args) -> int:
                          layers=args.layers, lr=args.lr, epochs=args.epochs, batch_size=args.batch,
                          grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
-                         feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding)
+                         feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
+                         head=args.head, ttt_steps=args.ttt_steps)
     fractions = _fractions(args.snapshot_at)
     _init_distributed()
     target = _load_jetflow_target(args)
@@ -187,7 +188,7 @@ def _initial_head(args, target, config):
     wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
               "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
               "feed-last-feature": (c.feed_last_feature, config.feed_last_feature),
-              "depth-embedding": (c.depth_embedding, config.depth_embedding)}
+              "depth-embedding": (c.depth_embedding, config.depth_embedding), "head": (c.kind, config.head)}
     bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
     if bad:
         raise JetFlowError(f"--init-from {args.init_from} does not match " + ", ".join(bad))
@@ -259,7 +260,7 @@ def cmd_bench(args) -> int:
     if not datasets:
         raise JetFlowError("--datasets names no evaluation set")
     target = _load_jetflow_target(args)
-    paths = {"causal": args.drafter, "bidirectional": args.baseline_drafter}
+    paths = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter}
     if paths["causal"] == "auto":
         paths["causal"] = shipped_drafter(target.name)
     heads = {}
@@ -279,13 +280,16 @@ def cmd_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = run_benchmark(runner, methods, datasets, budgets, settings, out)
     costs, block = None, None
-    if not args.no_cost_model:
-        head = next(iter(runner.decoders.values())).drafter if runner.decoders else None
-        block = head.block_size if head else None
+    if not args.no_cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
+        drafters = {kind: d.drafter for kind, d in runner.decoders.items()}
+        block = next((d.block_size for k, d in drafters.items() if k != "eagle3"), None)
         sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()))
-        costs = measure_costs(target, sizes, head, context=typical_context(runs), width=args.width)
-        if head is not None:
-            head.reset()
+        context = typical_context(runs)
+        costs = measure_costs(target, sizes, None, context=context)
+        costs["draft_ms"] = {kind: measure_costs(target, sizes, d, context=context, width=args.width)["draft_ms"]
+                             for kind, d in drafters.items()}
+        for d in drafters.values():
+            d.reset()
     info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
             "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
     write_json_atomic(out / "summary.json", info)
@@ -397,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(t)
     t.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
     t.add_argument("--out", required=True, type=Path)
+    t.add_argument("--head", choices=["block", "eagle3"], default="block",
+                   help="block: the JetFlow/DFlash parallel head (default); eagle3: the autoregressive baseline "
+                        "(use --layers 1; --block-size = deepest draft level + 1)")
+    t.add_argument("--ttt-steps", type=_non_negative_int, default=0,
+                   help="eagle3: training-time-test unroll steps (0: the head's deepest level)")
     t.add_argument("--attention", choices=["causal", "bidirectional"], default="causal")
     t.add_argument("--loss", choices=["fkl", "sft", "rkl"], default="fkl")
     t.add_argument("--kl-temperature", type=float, default=1.0)
@@ -447,10 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", default="auto", help="causal (JetFlow) head for jetflow/jetflow-chain "
                                                     "(default: the shipped one)")
     b.add_argument("--baseline-drafter", default=None, help="bidirectional head for dflash/ddtree")
+    b.add_argument("--eagle-drafter", default=None, help="EAGLE-3-style head (`jetflow train --head eagle3`) "
+                                                         "for the eagle3 method")
     b.add_argument("--datasets", default="gsm8k", help="comma list of gsm8k, math500, aime, humaneval, mtbench")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,jetflow",
-                   help="comma list of ar, hf, pld, dflash, ddtree, jetflow, jetflow-chain (ar is always run)")
+                   help="comma list of ar, hf, pld, dflash, ddtree, jetflow, jetflow-chain, eagle3 (ar is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")

@@ -12,6 +12,7 @@ from jetflow.decoding.autoregressive import autoregressive_stream
 from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, cached_costs
+from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
 from jetflow.errors import InvalidRequestError
@@ -30,7 +31,7 @@ class JetFlow:
     def __init__(self, target: TargetModel, head: DraftHead | None = None, *, budget: int | str = DEFAULT_BUDGET,
                  width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None):
         self.target = target
-        self.drafter = BlockDrafter(head, target) if head is not None else None
+        self.drafter = make_drafter(head, target) if head is not None else None
         self.budget, self.width = _check_tree_args(budget, width)
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
         self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"
@@ -40,7 +41,8 @@ class JetFlow:
         """The budget chooser of ``budget="auto"``: made on first use from the machine's cost curve
         (measured once, then read from ``cost_cache``); its acceptance counts persist across calls."""
         if self._adaptive is None:
-            self._adaptive = AdaptiveBudget(CostCurve(cached_costs(self.target, self.drafter, self.cost_cache)))
+            self._adaptive = AdaptiveBudget(CostCurve(cached_costs(self.target, self.drafter, self.cost_cache,
+                                                                    width=self.width)))
         return self._adaptive
 
     @classmethod
@@ -86,6 +88,11 @@ class JetFlow:
             return events
         *_, result = events
         return result
+
+
+def make_drafter(head: DraftHead, target: TargetModel) -> BlockDrafter | EagleDrafter:
+    """The decoding-time runner of a head: one block forward per round, or EAGLE's D forwards."""
+    return EagleDrafter(head, target) if head.config.kind == "eagle3" else BlockDrafter(head, target)
 
 
 def _check_tree_args(budget, width) -> tuple[int | str, int]:

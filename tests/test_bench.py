@@ -10,6 +10,7 @@ from jetflow.decoding.costs import measure_costs, speedup_bound
 from jetflow.eval.harness import summarize
 from jetflow.eval.methods import METHODS, MethodRunner, parse_methods
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
 
 
@@ -24,12 +25,16 @@ def heads(tiny_dir, tmp_path_factory):
             target.set_tapped_layers(layers)
         head = DraftHead(DraftHeadConfig.for_target(target, block_size=6, attention=kind))
         paths[kind] = head.save_pretrained(root / kind)
+    torch.manual_seed(2)
+    eagle = EagleHead(DraftHeadConfig.for_target(target, num_hidden_layers=1, block_size=4, kind="eagle3"))
+    paths["eagle3"] = eagle.save_pretrained(root / "eagle3")
     return paths
 
 
 def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
     target = TargetModel.load(str(tiny_dir))
     loaded = {k: DraftHead.from_pretrained(p, target=target) for k, p in heads.items()}
+    assert isinstance(loaded["eagle3"], EagleHead)
     runner = MethodRunner(target, loaded, width=3)
     prompt = [{"role": "user", "content": "hello there"}]
     ar = runner.run(METHODS["ar"], prompt, budget=None, max_new_tokens=20)
@@ -39,7 +44,7 @@ def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
         assert result.stats["rounds"] >= 1
         if spec.head is not None:
             assert result.stats["rounds"] == len(result.stats["accept_lengths"])
-            assert max(result.stats["mean_tree_size"], 0) <= (8 if spec.tree else 5)
+            assert result.stats["mean_tree_size"] <= (8 if spec.tree else 5)
     chain = runner.run(METHODS["jetflow-chain"], prompt, budget=None, max_new_tokens=20)
     assert chain.stats["width"] == 1 and chain.stats["budget"] == 5  # block_size - 1 drafts in a path
 
@@ -87,13 +92,14 @@ def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
 
 def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path, capsys, monkeypatch):
     args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--baseline-drafter",
-            str(heads["bidirectional"]), "--datasets", "gsm8k,mtbench,humaneval", "--limit", "1",
-            "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain", "--budgets", "4,8,auto",
+            str(heads["bidirectional"]), "--eagle-drafter", str(heads["eagle3"]), "--datasets",
+            "gsm8k,mtbench,humaneval", "--limit", "1", "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain,eagle3",
+            "--budgets", "4,8,auto",
             "--max-new-tokens", "6", "--width", "3", "--out", str(tmp_path / "b")]
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))  # where 'auto' keeps the cost curve
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["runs"] == 3 * 11 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
+    assert out["runs"] == 3 * 14 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
     run = json.loads((tmp_path / "b" / "runs" / "mtbench__jetflow__b8.json").read_text())
     assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
     assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
@@ -101,6 +107,8 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert auto["mismatches"] == [] and 1 <= auto["mean_tree_size"] <= 256
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"}  # 5 = chain of block_size - 1
+    assert summary["cost_model"]["draft_ms"].keys() == {"causal", "bidirectional", "eagle3"}
+    assert "| gsm8k | eagle3 | 8 |" in (tmp_path / "b" / "summary.md").read_text()
     md = (tmp_path / "b" / "summary.md").read_text()
     assert "| gsm8k | ddtree | 8 |" in md and "## Cost model" in md and "**NO" not in md
 
@@ -122,7 +130,7 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert set(calls) == {"pld"}  # every other run was reused from its JSON
     assert "LOSSLESSNESS VIOLATION: pld on gsm8k" in capsys.readouterr().err
     assert main(args[:4] + [str(heads["bidirectional"])] + args[5:]) == 2
-    assert "the causal methods need a causal head; the given one is bidirectional" in capsys.readouterr().err
+    assert "the causal methods need a causal head; the given one (--drafter) is bidirectional" in capsys.readouterr().err
 
     target = TargetModel.load(str(tiny_dir))
     torch.manual_seed(2)
@@ -134,6 +142,7 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
 
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "ar,dflash"], "pass --baseline-drafter"),
+    (["--methods", "eagle3"], "'eagle3' needs a eagle3 draft head: pass --eagle-drafter"),
     (["--datasets", "nope"], "unknown evaluation set 'nope'"),
     (["--budgets", "4,x"], "--budgets must be comma-separated integers >= 1 or 'auto'"),
     (["--budgets", "0"], "--budgets must be comma-separated integers >= 1 or 'auto'"),

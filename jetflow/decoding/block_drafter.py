@@ -7,13 +7,23 @@ import torch
 
 from jetflow.models.draft_head import DraftHead, check_compatible
 from jetflow.models.target import TargetModel
+from jetflow.tree.build import DraftTree, build_tree
+
+
+class BlockProposal:
+    """One block forward's per-depth distributions; a tree of any budget is built from them."""
+
+    def __init__(self, depth_logprobs: torch.Tensor, root: int, width: int):
+        self.depth_logprobs, self.root, self.width = depth_logprobs, root, width
+
+    def tree(self, budget: int) -> DraftTree:
+        return build_tree(self.depth_logprobs, self.root, budget, self.width)
 
 
 class BlockDrafter:
     def __init__(self, head: DraftHead, target: TargetModel):
         check_compatible(head.config, target)
-        if tuple(target.tapped_layers) != tuple(head.config.target_layer_ids):
-            target.set_tapped_layers(head.config.target_layer_ids)
+        target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.eval().requires_grad_(False)
         self.embed = target.model.get_input_embeddings()  # shared, frozen
         # The head's slice of the target's LM head, taken once (all of it unless the vocabulary is reduced).
@@ -44,6 +54,10 @@ class BlockDrafter:
             self.context_kv = [(torch.cat([k, nk], -2), torch.cat([v, nv], -2))
                                for (k, v), (nk, nv) in zip(self.context_kv, new)]
         self.context_len += features.shape[0]
+
+    def propose(self, anchor: int, position: int, room: int, width: int) -> BlockProposal:
+        """The round's draft: one head forward; ``room`` caps the depth (context end)."""
+        return BlockProposal(self.depth_logprobs(anchor, position)[:room], anchor, width)
 
     @torch.inference_mode()
     def depth_logprobs(self, anchor: int, position: int) -> torch.Tensor:

@@ -23,7 +23,6 @@ import torch
 
 from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.models.target import TargetModel
-from jetflow.tree.build import build_tree
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -48,6 +47,8 @@ def measure_costs(target: TargetModel, budgets: list[int], drafter: BlockDrafter
     size (``verify_ms[n]``, n draft nodes + root), and drafting a tree of each budget (``draft_ms[n]``,
     head forward + tree build; empty without a drafter), all after a ``context``-token prefix."""
     g = torch.Generator().manual_seed(0)
+    if drafter is not None:
+        target.set_tapped_layers(drafter.head.config.target_layer_ids)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).tolist()
     pre = target.prefill(prefix, return_hidden=drafter is not None)
     if drafter is not None:
@@ -62,7 +63,7 @@ def measure_costs(target: TargetModel, budgets: list[int], drafter: BlockDrafter
         verify_ms[n] = _median_ms(lambda: target.verify(tokens, parents, return_hidden=drafter is not None), reps)
         if drafter is not None:
             draft_ms[n] = _median_ms(
-                lambda: build_tree(drafter.depth_logprobs(root, target.past_len), root, n, width), reps)
+                lambda: drafter.propose(root, target.past_len, target.max_context, width).tree(n), reps)
     target.reset()
     return {"context": context, "reps": reps, "c1_ms": c1, "verify_ms": verify_ms,
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
@@ -108,14 +109,14 @@ COST_BUDGETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 
 def cached_costs(target: TargetModel, drafter: BlockDrafter, cache_dir: str | Path, budgets=COST_BUDGETS,
-                 context: int = 256, reps: int = 5) -> dict:
+                 context: int = 256, reps: int = 5, width: int = 7) -> dict:
     """:func:`measure_costs` once per machine, model, dtype, thread count and head shape; later
     calls read ``cache_dir/<key>.json`` (a damaged file is measured again)."""
     from jetflow.eval.machine import cpu_name
     from jetflow.utils.fs import write_json_atomic
 
     c = drafter.head.config
-    key = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+    key = {"target": target.name, "kind": c.kind, "width": width, "device": str(target.device), "dtype": str(target.dtype),
            "threads": torch.get_num_threads(), "cpu": cpu_name(), "layers": c.num_hidden_layers,
            "block_size": c.block_size, "draft_vocab": len(drafter.draft_ids) if drafter.draft_ids is not None else None,
            "budgets": list(budgets), "context": context}
@@ -128,7 +129,7 @@ def cached_costs(target: TargetModel, drafter: BlockDrafter, cache_dir: str | Pa
                 return _int_keys(stored["costs"])
         except (json.JSONDecodeError, KeyError):
             pass
-    costs = measure_costs(target, list(budgets), drafter, context=context, reps=reps)
+    costs = measure_costs(target, list(budgets), drafter, context=context, reps=reps, width=width)
     write_json_atomic(path, {"key": key, "costs": costs})
     return costs
 

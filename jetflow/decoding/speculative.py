@@ -12,17 +12,17 @@ from collections.abc import Iterator
 from jetflow.decoding.acceptance import accept_path
 from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
 from jetflow.decoding.stats import SpeculativeStats
 from jetflow.models.target import TargetModel
-from jetflow.tree.build import build_tree
 
 
 def speculative_stream(
     target: TargetModel,
-    drafter: BlockDrafter,
+    drafter: BlockDrafter | EagleDrafter,
     prompt_ids: list[int],
     params: SamplingParams,
     output: OutputStream,
@@ -50,12 +50,12 @@ def speculative_stream(
             break
         other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
         with stats.timed("draft"):
-            lp = drafter.depth_logprobs(root, target.past_len)[:room]
+            proposal = drafter.propose(root, target.past_len, room, width)
         with stats.timed("tree"):
             if adaptive is None:
-                tree = build_tree(lp, root, budget, width)
+                tree = proposal.tree(budget)
             else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
-                tree = build_tree(lp, root, adaptive.max_budget, width)
+                tree = proposal.tree(adaptive.max_budget)
                 tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)

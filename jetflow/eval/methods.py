@@ -7,6 +7,7 @@
     ddtree         bidirectional head, best-first tree
     jetflow        causal head, best-first tree
     jetflow-chain  causal head, chain
+    eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
 
 Every method returns a :class:`GenerationResult` whose ``stats`` hold ``rounds`` (target forwards
 after the prefill) and, for the drafters, ``accept_lengths`` per round (bonus token included).
@@ -33,7 +34,7 @@ PLD_TOKENS = 10  # prompt-lookup candidates per step (transformers' usual settin
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    head: str | None  # the draft head's attention ("causal" / "bidirectional"), None: no drafter
+    head: str | None  # the head it needs: "causal" / "bidirectional" block head, "eagle3", or None
     tree: bool  # True: the --budgets sweep applies; False: one run
 
 
@@ -41,7 +42,9 @@ METHODS = {m.name: m for m in [
     MethodSpec("ar", None, False), MethodSpec("hf", None, False), MethodSpec("pld", None, False),
     MethodSpec("dflash", "bidirectional", False), MethodSpec("ddtree", "bidirectional", True),
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
+    MethodSpec("eagle3", "eagle3", True),
 ]}
+HEAD_FLAGS = {"causal": "--drafter", "bidirectional": "--baseline-drafter", "eagle3": "--eagle-drafter"}
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -62,15 +65,15 @@ class MethodRunner:
         self.target, self.width = target, width
         self.decoders = {}
         for kind, head in heads.items():
-            if head.config.attention != kind:
-                raise JetFlowError(f"the {kind} methods need a {kind} head; the given one is "
-                                   f"{head.config.attention}")
+            have = "eagle3" if head.config.kind == "eagle3" else head.config.attention
+            if have != kind:
+                raise JetFlowError(f"the {kind} methods need a {kind} head; the given one ({HEAD_FLAGS[kind]}) "
+                                   f"is {have}")
             self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype))
 
     def check(self, spec: MethodSpec) -> None:
         if spec.head is not None and spec.head not in self.decoders:
-            flag = "--drafter" if spec.head == "causal" else "--baseline-drafter"
-            raise JetFlowError(f"method {spec.name!r} needs a {spec.head} draft head: pass {flag}")
+            raise JetFlowError(f"method {spec.name!r} needs a {spec.head} draft head: pass {HEAD_FLAGS[spec.head]}")
 
     def run(self, spec: MethodSpec, prompt, *, budget: int | None, max_new_tokens: int,
             temperature: float = 0.0, seed: int | None = None, chat: bool = True) -> GenerationResult:
@@ -82,9 +85,7 @@ class MethodRunner:
         if spec.name in ("hf", "pld"):
             return self._hf_generate(prompt, spec.name, request)
         decoder = self.decoders[spec.head]
-        taps = decoder.drafter.head.config.target_layer_ids  # the heads may read different target layers
-        if tuple(self.target.tapped_layers) != tuple(taps):
-            self.target.set_tapped_layers(taps)
+        self.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
         if spec.tree:
             return decoder.generate(prompt, budget=budget, width=self.width, **request)
         return decoder.generate(prompt, budget=decoder.drafter.block_size - 1, width=1, **request)

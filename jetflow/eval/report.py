@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jetflow.decoding.costs import speedup_bound
+from jetflow.eval.methods import METHODS
 
 
 def _budget_cell(run: dict) -> str:
@@ -72,14 +73,15 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
             if n is None or n not in costs["verify_ms"]:
                 continue
             s = run["summary"]
-            bound = speedup_bound(s["tau"], costs, n)
+            draft = costs["draft_ms"].get(METHODS[run["method"]].head, {}).get(n, 0.0)
+            bound = speedup_bound(s["tau"], costs, n, draft_ms=draft)
             lines.append(f"| {run['dataset']} | {run['method']} | {n} | {costs['verify_ratio'][n]:.2f} | "
-                         f"{costs['draft_ms'].get(n, 0):.1f} | {costs['verify_ms'][n]:.1f} | {bound:.2f}x | "
+                         f"{draft:.1f} | {costs['verify_ms'][n]:.1f} | {bound:.2f}x | "
                          f"{s.get('speedup', 1):.2f}x |")
     return "\n".join(lines) + "\n"
 
 
-ORDER = ["ar", "hf", "pld", "dflash", "ddtree", "jetflow-chain", "jetflow"]
+ORDER = ["ar", "hf", "pld", "dflash", "ddtree", "eagle3", "jetflow-chain", "jetflow"]
 
 
 def _order(method: str) -> int:

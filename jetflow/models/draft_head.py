@@ -25,6 +25,8 @@ from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
 from jetflow.utils.fs import replace_directory
 
 ATTENTION_KINDS = ("causal", "bidirectional")
+HEAD_KINDS = ("block", "eagle3")  # block: JetFlow/DFlash parallel head; eagle3: autoregressive baseline
+ARCHITECTURES = {"block": "JetFlowDraftModel", "eagle3": "JetFlowEagle3Model"}
 
 
 class DrafterMismatchError(JetFlowError):
@@ -56,8 +58,13 @@ class DraftHeadConfig:
     # and can tell "next token" from "8 tokens ahead" only through rotary attention patterns.
     depth_embedding: bool = False
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
+    # "block": one forward drafts block_size - 1 depths. "eagle3": the autoregressive baseline
+    # (jetflow/models/eagle_head.py); there block_size is the deepest draft tree level + 1.
+    kind: str = "block"
 
     def __post_init__(self):
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"kind must be one of {HEAD_KINDS}, got {self.kind!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.block_size < 2:
@@ -74,7 +81,8 @@ class DraftHeadConfig:
     @classmethod
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
                    mask_token_id: int | None = None, draft_vocab_size: int | None = None,
-                   feed_last_feature: bool = False, depth_embedding: bool = False) -> "DraftHeadConfig":
+                   feed_last_feature: bool = False, depth_embedding: bool = False,
+                   kind: str = "block") -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         c = target.config
         heads = c.num_attention_heads
@@ -98,6 +106,7 @@ class DraftHeadConfig:
             feed_last_feature=feed_last_feature,
             depth_embedding=depth_embedding,
             target=target.identity(),
+            kind=kind,
         )
 
     def to_json(self) -> dict:
@@ -106,7 +115,7 @@ class DraftHeadConfig:
         mask_token_id, layer_ids = d.pop("mask_token_id"), d.pop("target_layer_ids")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
         return {
-            "architectures": ["JetFlowDraftModel"],
+            "architectures": [ARCHITECTURES[self.kind]],
             "model_type": "qwen3",
             **d,
             "num_target_layers": self.target.get("num_hidden_layers"),
@@ -252,7 +261,8 @@ class DraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target=None, device=None, dtype: torch.dtype | None = None) -> "DraftHead":
-        """Load a checkpoint dir; with ``target``, refuse one built for a different target."""
+        """Load a checkpoint dir (a block head, or an EAGLE-3-style head as :class:`EagleHead`); with
+        ``target``, refuse one built for a different target."""
         path = Path(path)
         cfg_file, weights = path / "config.json", path / "model.safetensors"
         if not cfg_file.is_file() or not weights.is_file():
@@ -263,7 +273,7 @@ class DraftHead(nn.Module):
             raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
         if target is not None:
             check_compatible(config, target)
-        head = cls(config)
+        head = head_class(config.kind)(config)
         state = load_file(weights)
         state.setdefault("feature_scale", head.feature_scale)  # checkpoints from before the scale existed
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -272,6 +282,14 @@ class DraftHead(nn.Module):
                                        f"unexpected {unexpected[:4]}")
         head.to(device=device, dtype=dtype or state["fc.weight"].dtype)
         return head
+
+
+def head_class(kind: str) -> type[DraftHead]:
+    if kind == "eagle3":
+        from jetflow.models.eagle_head import EagleHead
+
+        return EagleHead
+    return DraftHead
 
 
 def check_compatible(config: DraftHeadConfig, target) -> None:

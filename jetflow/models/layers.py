@@ -61,16 +61,18 @@ class Attention(nn.Module):
         k = Rotary.apply(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), cos, sin)
         return k, self._split(self.v_proj(x), self.kv_heads)
 
-    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None):
+    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None, return_kv: bool = False):
         """Queries from ``x``; keys/values from the injected context (if any) followed by ``x``.
 
-        mask: boolean [..., T, C+T] (True = may attend) over [context, x]."""
+        mask: boolean [..., T, C+T] (True = may attend) over [context, x]. With ``return_kv`` also
+        returns the keys/values of ``x`` itself (for callers that cache them)."""
         q = Rotary.apply(self.q_norm(self._split(self.q_proj(x), self.heads)), cos, sin)
-        k, v = self.key_value(x, cos, sin)
+        k_new, v_new = k, v = self.key_value(x, cos, sin)
         if ctx_k is not None:
             k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3), enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(-2, -3).flatten(-2))
+        out = self.o_proj(out.transpose(-2, -3).flatten(-2))
+        return (out, (k_new, v_new)) if return_kv else out
 
 
 class MLP(nn.Module):
@@ -92,6 +94,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, intermediate)
 
-    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, ctx_k, ctx_v)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, ctx_k=None, ctx_v=None, return_kv: bool = False):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, ctx_k, ctx_v, return_kv)
+        attn, kv = attn if return_kv else (attn, None)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (x, kv) if return_kv else x

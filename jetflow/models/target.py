@@ -124,8 +124,11 @@ class TargetModel:
         self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
 
     def set_tapped_layers(self, layer_ids: Sequence[int]) -> None:
-        """Choose the decoder layers (0-based) whose outputs ``prefill``/``verify`` return."""
+        """Choose the decoder layers (0-based) whose outputs ``prefill``/``verify`` return (several
+        heads may share one target: each sets its own layers before it drafts)."""
         taps = [int(t) for t in layer_ids]
+        if getattr(self, "tapped_layers", None) == tuple(taps):
+            return
         if not taps or any(not 0 <= t < self.num_layers for t in taps):
             raise ValueError(f"tapped layers {taps} must be non-empty ids in [0, {self.num_layers})")
         for handle in self._hook_handles:

@@ -22,10 +22,11 @@ import torch.distributed as dist
 from jetflow.data.shards import Sequence, list_shards, read_shard
 from jetflow.errors import JetFlowError
 from jetflow.decoding.prompt import stop_token_ids
-from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig, head_class
 from jetflow.models.draft_vocab import select_draft_vocab, target_to_draft_index, token_counts
 from jetflow.models.target import TargetModel
 from jetflow.training.blocks import BlockBatch, make_blocks, sample_anchors, training_mask
+from jetflow.training.eagle_objective import eagle_sequence_loss
 from jetflow.training.losses import LOSSES, block_loss
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
@@ -56,8 +57,14 @@ class TrainConfig:
     draft_vocab: int = 0  # 0: predict the full target vocabulary
     feed_last_feature: bool = False
     depth_embedding: bool = False
+    head: str = "block"  # "block" (JetFlow / DFlash) or "eagle3" (the autoregressive baseline)
+    ttt_steps: int = 0  # eagle3: unroll steps of training-time test (0: the head's deepest level)
 
     def __post_init__(self):
+        if self.head not in HEAD_KINDS:
+            raise JetFlowError(f"head must be one of {HEAD_KINDS}, got {self.head!r}")
+        if self.ttt_steps < 0:
+            raise JetFlowError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
         if self.loss not in LOSSES:
             raise JetFlowError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.draft_vocab < 0:
@@ -124,10 +131,10 @@ class Trainer:
         fresh_head = head is None
         if head is None:
             vocab = config.draft_vocab if 0 < config.draft_vocab < target.vocab_size else None
-            head = DraftHead(DraftHeadConfig.for_target(
+            head = head_class(config.head)(DraftHeadConfig.for_target(
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
-                depth_embedding=config.depth_embedding))
+                depth_embedding=config.depth_embedding, kind=config.head))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
                 required = stop_token_ids(target.tokenizer, target.model.generation_config)
@@ -181,6 +188,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one sequence
     def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        if self.head.config.kind == "eagle3":  # unrolled on its own states over the whole sequence
+            return eagle_sequence_loss(self, index, self.config.ttt_steps or self.head.max_depth)
         c, head, device = self.config, self.head, self.target.device
         seq = self.sequences[index]
         tokens = torch.tensor(seq.token_ids)
@@ -255,7 +264,7 @@ class Trainer:
         if not state_file.is_file():
             return False
         state = torch.load(state_file, weights_only=False)
-        if state["config"] != asdict(self.config):
+        if {**asdict(TrainConfig()), **state["config"]} != asdict(self.config):  # older runs lack newer fields
             raise JetFlowError(f"{self.out} was trained with other settings; resume with the same arguments")
         loaded = DraftHead.from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
         self.head.load_state_dict(loaded.state_dict())
