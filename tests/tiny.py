@@ -73,6 +73,11 @@ class OracleDrafter:
         pass
 
     @torch.no_grad()
+    def propose(self, anchor, position, room, width):
+        from jetflow.decoding.block_drafter import BlockProposal
+
+        return BlockProposal(self.depth_logprobs(anchor, position)[:room], anchor, width)
+
     def depth_logprobs(self, anchor, position):
         assert position == len(self.target.token_ids)
         seq = list(self.target.token_ids) + [anchor]
