@@ -328,6 +328,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export_vllm(args) -> int:
+    import torch
+
+    from jetflow.export.vllm import export_vllm
+
+    if not Path(args.drafter).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype))
+    cfg = json.loads((out / "config.json").read_text())
+    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": cfg["block_size"] - 1}
+    print(json.dumps({"out": str(out), "speculative_config": spec}))
+    return 0
+
+
 def _budget_list(text: str) -> list[int | str]:
     """--budgets: sorted distinct integers >= 1, then 'auto' if asked for."""
     items = [t.strip() for t in text.split(",")]
@@ -490,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to let open requests finish after SIGTERM before cancelling them")
     v.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     v.set_defaults(func=cmd_serve)
+    x = sub.add_parser("export-vllm", help="write a block head in vLLM's DFlash format (chain mode in vLLM)")
+    x.add_argument("--drafter", required=True, help="a JetFlow block-head checkpoint directory")
+    x.add_argument("--out", required=True, type=Path)
+    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    x.set_defaults(func=cmd_export_vllm)
     return parser
 
 
