@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
         out.update(target=jf.target.name, drafter=jf.drafter_path)
         if reference is not None:
             out["autoregressive"] = {"tokens_per_s": reference.tokens_per_s, "seconds": reference.seconds}
-        for key in ("tau", "rounds", "accept_lengths"):
+        for key in ("tau", "rounds", "accept_lengths", "budget", "mean_tree_size"):
             out[key] = result.stats.get(key)
         if lossless is not None:
             out["lossless"] = lossless

@@ -62,6 +62,18 @@ def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_dr
     assert len(out["accept_lengths"]) == out["rounds"]
 
 
+def test_generate_with_auto_budget(tiny_dir, tiny_drafter, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    rc = main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+               "--max-new-tokens", "12", "--budget", "auto", "--check-lossless"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lossless"] is True and out["budget"] == "auto"
+    assert len(list((tmp_path / "costs").glob("costs-*.json"))) == 1
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--budget", "fast"])
+
+
 def test_compare_and_the_shipped_drafter_by_default(tiny_dir, tiny_drafter, tmp_path, capsys, monkeypatch):
     import shutil
 
