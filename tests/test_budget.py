@@ -95,3 +95,18 @@ def test_auto_budget_is_lossless_and_its_cost_curve_is_cached(tiny_dir, tmp_path
     assert len(calls) == 1 and len(list(tmp_path.glob("costs-*.json"))) == 1
     with pytest.raises(Exception, match="or 'auto'"):
         jetflow.JetFlow(target, head, budget="fast")
+
+
+def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():
+    lp = torch.full((15, 30), math.log(0.7 / 29))
+    lp[:, 0] = math.log(0.3)  # an unsure head
+    tree = build_tree(lp, 5, 64, 7)
+    dear = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=4)
+    assert dear.should_draft()  # no estimate yet: draft
+    dear.choose(tree)
+    assert dear.draft_rate < dear.plain_rate()
+    pattern = [dear.should_draft() for _ in range(8)]
+    assert pattern == [False, False, False, True] * 2  # plain steps, one exploring draft in 4
+    cheap = AdaptiveBudget(curve(per_node_ms=0.0, base_ms=10.0, draft_ms=0.5))
+    cheap.choose(build_tree(torch.zeros(15, 30).index_fill_(1, torch.tensor([0]), 5.0).log_softmax(-1), 5, 64, 7))
+    assert cheap.draft_rate > cheap.plain_rate() and all(cheap.should_draft() for _ in range(10))

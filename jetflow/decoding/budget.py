@@ -12,6 +12,11 @@ where q_i is the head's own probability of node i's token at its depth and a(d, 
 rate at which the target agreed with such a node when its parent was accepted (running counts per
 depth and probability bin, starting from a(d, q) = q). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest.
+
+When even the best tree is expected to yield fewer tokens per millisecond than a plain one-token step
+(low acceptance: text far from the drafter's training data, or a machine where verification is
+dear), rounds skip the draft and verify the root alone -- plain decoding -- except every
+``explore_every``-th round, which drafts again to keep the estimate current.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jetflow.tree.build import DraftTree
 
 class AdaptiveBudget:
     def __init__(self, costs: CostCurve, max_budget: int = 256, min_budget: int = 1, bins: int = 10,
-                 max_depth: int = 32, prior_trials: float = 4.0):
+                 max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8):
         self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
         self.bins, self.max_depth = bins, max_depth
         mids = [(b + 0.5) / bins for b in range(bins)]
@@ -34,6 +39,22 @@ class AdaptiveBudget:
         self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
         self._rounds = 0
         self._cost = [costs.round_ms(n) for n in range(max_budget + 1)]
+        self.explore_every = explore_every
+        self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
+        self._plain_rounds = 0  # consecutive rounds without a draft
+
+    def plain_rate(self) -> float:
+        """Tokens per ms of a round that verifies the root alone (no draft forward)."""
+        return 1.0 / (self.costs.c1_ms + self.overhead_ms)
+
+    def should_draft(self) -> bool:
+        """False when drafting is expected to be slower than a plain step (see the module doc)."""
+        pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
+        if pays or self._plain_rounds + 1 >= self.explore_every:
+            self._plain_rounds = 0
+            return True
+        self._plain_rounds += 1
+        return False
 
     def _cell(self, tree: DraftTree, node: int) -> tuple[int, int]:
         q = math.exp(tree.scores[node] - tree.scores[tree.parents[node]])
@@ -59,8 +80,10 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        return max(range(self.min_budget, top + 1),
-                   key=lambda n: expected[n] / (self._cost[n] + self.overhead_ms))
+        best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / (self._cost[n] + self.overhead_ms))
+        rate = expected[best] / (self._cost[best] + self.overhead_ms)
+        self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
+        return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too."""

@@ -17,6 +17,7 @@ from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
 from jetflow.decoding.stats import SpeculativeStats
+from jetflow.tree.build import DraftTree
 from jetflow.models.target import TargetModel
 
 
@@ -49,14 +50,17 @@ def speculative_stream(
             output.finish("length")
             break
         other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
-        with stats.timed("draft"):
-            proposal = drafter.propose(root, target.past_len, room, width)
-        with stats.timed("tree"):
-            if adaptive is None:
-                tree = proposal.tree(budget)
-            else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
-                tree = proposal.tree(adaptive.max_budget)
-                tree = tree.prefix(adaptive.choose(tree) + 1)
+        if adaptive is not None and not adaptive.should_draft():
+            tree = DraftTree.root_only(root)  # drafting does not pay now: a plain decoding step
+        else:
+            with stats.timed("draft"):
+                proposal = drafter.propose(root, target.past_len, room, width)
+            with stats.timed("tree"):
+                if adaptive is None:
+                    tree = proposal.tree(budget)
+                else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
+                    tree = proposal.tree(adaptive.max_budget)
+                    tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)
         with stats.timed("accept"):
