@@ -335,7 +335,7 @@ def cmd_export_vllm(args) -> int:
 
     if not Path(args.drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
-    out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype))
+    out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
     cfg = json.loads((out / "config.json").read_text())
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": cfg["block_size"] - 1}
     print(json.dumps({"out": str(out), "speculative_config": spec}))
@@ -506,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_serve)
     x = sub.add_parser("export-vllm", help="write a block head in vLLM's DFlash format (chain mode in vLLM)")
     x.add_argument("--drafter", required=True, help="a JetFlow block-head checkpoint directory")
+    x.add_argument("--target", default=None, help="the head's target (default: the one its config names); "
+                                                  "read only for a reduced vocabulary, to copy its LM-head rows")
     x.add_argument("--out", required=True, type=Path)
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export_vllm)

@@ -29,7 +29,8 @@ def test_export_layout_and_folded_scale(tiny_dir, tmp_path, reduced):
     if reduced:
         head.set_draft_vocab(torch.arange(0, 80, 2))
     src = head.save_pretrained(tmp_path / "head")
-    out = export_vllm(src, tmp_path / "vllm", dtype=torch.float32)
+    target = TargetModel.load(str(tiny_dir))
+    out = export_vllm(src, tmp_path / "vllm", dtype=torch.float32, target=target)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"] == {"mask_token_id": head.config.mask_token_id,
@@ -40,6 +41,10 @@ def test_export_layout_and_folded_scale(tiny_dir, tmp_path, reduced):
     assert ("d2t" in state) == reduced and cfg.get("draft_vocab_size") == (40 if reduced else None)
     if reduced:
         assert torch.equal(torch.arange(40) + state["d2t"], torch.arange(0, 80, 2))  # target = draft + d2t
+        lm = target.model.get_output_embeddings().weight  # vLLM would otherwise share the full LM head
+        assert torch.equal(state["lm_head.weight"], lm[torch.arange(0, 80, 2)])
+    else:
+        assert "lm_head.weight" not in state
     x = torch.randn(7, 4 * 64) * 20
     norm = RMSNorm(64, head.config.rms_norm_eps)
     norm.weight.data = state["hidden_norm.weight"]

@@ -4,8 +4,10 @@ vLLM serves the head in chain mode (it has no tree drafting); a causal JetFlow h
 with ``dflash_config.causal = true``. The format: a Qwen3-style ``config.json`` with
 ``architectures: ["DFlashDraftModel"]``, ``rope_parameters``, ``block_size``, ``dflash_config``
 (``mask_token_id``, 0-based ``target_layer_ids``, ``causal``) and, for a reduced vocabulary,
-``draft_vocab_size``; weights ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm`` and ``d2t`` (no
-embedding or LM head: vLLM shares the target's). JetFlow's per-dimension feature scale is folded
+``draft_vocab_size``; weights ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``; no embedding (vLLM
+shares the target's). vLLM also shares the target's LM head unless the checkpoint has one, which only
+fits a full-vocabulary head: a reduced-vocabulary head ships ``d2t`` (target id = draft id + d2t)
+and ``lm_head.weight``, the target's LM-head rows of its draft tokens. JetFlow's per-dimension feature scale is folded
 into ``fc`` (fc(x / s) = (fc.weight / s) x). Heads using options DFlash has no place for are refused.
 """
 
@@ -67,8 +69,13 @@ def vllm_config(config: DraftHeadConfig, dtype: torch.dtype) -> dict:
     return out
 
 
-def vllm_state_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def vllm_state_dict(head: DraftHead, dtype: torch.dtype, lm_head_weight: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
     state = {}
+    if head.config.reduced_vocab:
+        if lm_head_weight is None:
+            raise JetFlowError("a reduced-vocabulary head needs the target's LM head to export (pass the target)")
+        state["lm_head.weight"] = head.output_weight(lm_head_weight.float()).to(dtype).detach().cpu().contiguous()
     for name, value in head.state_dict().items():
         if name in ("feature_scale", "t2d"):
             continue  # folded into fc / derivable from d2t
@@ -93,6 +100,7 @@ def expected_shapes(cfg: dict, taps: int) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.weight": (h, i)})
     if "draft_vocab_size" in cfg:
         shapes["d2t"] = (cfg["draft_vocab_size"],)
+        shapes["lm_head.weight"] = (cfg["draft_vocab_size"], h)
     return shapes
 
 
@@ -110,15 +118,26 @@ def validate(cfg: dict, state: dict[str, torch.Tensor]) -> None:
         raise JetFlowError("export needs block_size >= 2 and at least one target layer")
 
 
-def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, target=None) -> Path:
     """Write ``out`` (config.json + model.safetensors) for ``vllm serve --speculative-config
-    '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size - 1}'``."""
+    '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size - 1}'``. ``target`` (a
+    TargetModel or model spec; default: the one named in the head's config) is loaded only for a
+    reduced-vocabulary head, whose LM-head rows the export must carry."""
     head = DraftHead.from_pretrained(drafter, dtype=torch.float32)
     reasons = unsupported(head.config)
     if reasons:
         raise JetFlowError(f"{drafter} cannot be exported to vLLM's DFlash format: " + "; ".join(reasons))
+    lm_head = None
+    if head.config.reduced_vocab:
+        from jetflow.models.draft_head import check_compatible
+        from jetflow.models.target import TargetModel
+
+        if not isinstance(target, TargetModel):
+            target = TargetModel.load(target or head.config.target.get("name"))
+        check_compatible(head.config, target)
+        lm_head = target.model.get_output_embeddings().weight
     cfg = vllm_config(head.config, dtype)
-    state = vllm_state_dict(head, dtype)
+    state = vllm_state_dict(head, dtype, lm_head)
     validate(cfg, state)
     with replace_directory(Path(out)) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
