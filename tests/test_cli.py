@@ -121,6 +121,10 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
         "step": 2, "total_steps": 2, "train_sequences": 3}
     assert main(subset[:-1] + ["9"]) == 2 and "holds only 5" in capsys.readouterr().err
+    eagle = args[:6] + [str(tmp_path / "eagle")] + args[7:] + ["--head", "eagle3", "--ttt-steps", "2"]
+    assert main(eagle) == 0
+    cfg = json.loads((tmp_path / "eagle" / "drafter" / "config.json").read_text())
+    assert cfg["kind"] == "eagle3" and cfg["architectures"] == ["JetFlowEagle3Model"]
     assert main(["train", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "manifest.json" in capsys.readouterr().err
 
