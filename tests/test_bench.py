@@ -104,7 +104,7 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
     assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
     auto = json.loads((tmp_path / "b" / "runs" / "gsm8k__jetflow__bauto.json").read_text())["summary"]
-    assert auto["mismatches"] == [] and 1 <= auto["mean_tree_size"] <= 256
+    assert auto["mismatches"] == [] and 0 <= auto["mean_tree_size"] <= 256  # 0: plain steps only
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"}  # 5 = chain of block_size - 1
     assert summary["cost_model"]["draft_ms"].keys() == {"causal", "bidirectional", "eagle3"}

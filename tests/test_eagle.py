@@ -117,7 +117,8 @@ def test_eagle_decoding_is_lossless_and_checkpoints_round_trip(target, tmp_path)
             ar = jetflow.generate(target, prompt, max_new_tokens=25)
             spec = jf.generate(prompt, max_new_tokens=25)
             assert spec.token_ids == ar.token_ids
-            assert all(1 <= s <= (budget if budget != "auto" else 256) for s in [spec.stats["mean_tree_size"]])
+            size = spec.stats["mean_tree_size"]  # auto may take plain steps (size 0) when drafting does not pay
+            assert (0 <= size <= 256) if budget == "auto" else (1 <= size <= budget)
         a = jf.generate([5, 6, 7], max_new_tokens=20, temperature=0.8, seed=3).token_ids
         assert a == jf.generate([5, 6, 7], max_new_tokens=20, temperature=0.8, seed=3).token_ids
 
