@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.costs import median_ms
 from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.eval.machine import machine
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
-
-
-def median_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main():

@@ -25,7 +25,8 @@ from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.models.target import TargetModel
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
+    """Median wall milliseconds of ``fn()`` over ``reps`` calls, after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -55,14 +56,14 @@ def measure_costs(target: TargetModel, budgets: list[int], drafter: BlockDrafter
         drafter.reset()
         drafter.extend(pre.hidden)
     root = prefix[-1]
-    c1 = _median_ms(lambda: target.verify([root], [-1], return_hidden=False), reps)
+    c1 = median_ms(lambda: target.verify([root], [-1], return_hidden=False), reps)
     verify_ms, draft_ms = {}, {}
     for n in budgets:
         parents = _random_tree(n + 1, g)
         tokens = torch.randint(0, target.vocab_size, (n + 1,), generator=g).tolist()
-        verify_ms[n] = _median_ms(lambda: target.verify(tokens, parents, return_hidden=drafter is not None), reps)
+        verify_ms[n] = median_ms(lambda: target.verify(tokens, parents, return_hidden=drafter is not None), reps)
         if drafter is not None:
-            draft_ms[n] = _median_ms(
+            draft_ms[n] = median_ms(
                 lambda: drafter.propose(root, target.past_len, target.max_context, width).tree(n), reps)
     target.reset()
     return {"context": context, "reps": reps, "c1_ms": c1, "verify_ms": verify_ms,
