@@ -159,11 +159,7 @@ def cmd_train(args) -> int:
     _init_distributed()
     target = _load_jetflow_target(args)
     head = _initial_head(args, target, config) if args.init_from else None
-    sequences = load_sequences(args.data, target)
-    if args.max_sequences is not None:
-        if args.max_sequences > len(sequences):
-            raise JetFlowError(f"--max-sequences {args.max_sequences}: {args.data} holds only {len(sequences)}")
-        sequences = sequences[:args.max_sequences]
+    sequences = _first_sequences(args, load_sequences(args.data, target))
     trainer = Trainer(target, sequences, args.out, config, head=head, teacher_cache=args.teacher_cache)
     if args.resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
@@ -174,6 +170,15 @@ def cmd_train(args) -> int:
     if trainer.rank == 0:
         print(json.dumps(result))
     return 0
+
+
+def _first_sequences(args, sequences: list) -> list:
+    """``--max-sequences N``: the first N sequences in shard order (all without it)."""
+    if args.max_sequences is None:
+        return sequences
+    if args.max_sequences > len(sequences):
+        raise JetFlowError(f"--max-sequences {args.max_sequences}: {args.data} holds only {len(sequences)}")
+    return sequences[:args.max_sequences]
 
 
 def _initial_head(args, target, config):
@@ -227,11 +232,31 @@ def cmd_cache_teacher(args) -> int:
     target = _load_jetflow_target(args)
     if args.layers:
         target.set_tapped_layers(_int_list(args.layers, "--layers"))
-    manifest = build_teacher_cache(target, load_sequences(args.data, target), args.out, top_k=args.top_k,
+    sequences = _first_sequences(args, load_sequences(args.data, target))
+    manifest = build_teacher_cache(target, sequences, args.out, top_k=args.top_k,
                                    sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
                                    source=str(args.data))
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"], "sequences": manifest["num_sequences"],
                       "wall_seconds": round(manifest["wall_seconds"], 1)}))
+    return 0
+
+
+def cmd_eval_offline(args) -> int:
+    from jetflow.eval.offline_acceptance import evaluate_drafters
+    from jetflow.utils.fs import write_json_atomic
+
+    missing = [d for d in args.drafter if not Path(d).is_dir()]
+    if missing:
+        raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    budgets = _int_list(args.budgets, "--budgets")
+    if min(budgets) < 1:
+        raise JetFlowError(f"--budgets must be >= 1, got {args.budgets!r}")
+    target = _load_jetflow_target(args)
+    report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
+                               args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        write_json_atomic(args.out, report)
+    print(json.dumps(report["drafters"]))
     return 0
 
 
@@ -463,7 +488,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "draft head's default choice)")
     c.add_argument("--part-size", type=_positive_int, default=256, help="sequences per cache file")
     c.add_argument("--batch-tokens", type=_positive_int, default=4096, help="tokens per target forward")
+    c.add_argument("--max-sequences", type=_positive_int, default=None,
+                   help="cache only the first N sequences of --data in shard order (what `train --max-sequences` "
+                        "will read)")
     c.set_defaults(func=cmd_cache_teacher)
+    o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget, measured without decoding on "
+                                            "held-out regenerated sequences (fast; for ablations)")
+    _add_target_args(o)
+    o.add_argument("--drafter", required=True, action="append", help="block-head checkpoint (repeat to compare)")
+    o.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output (greedy answers)")
+    o.add_argument("--teacher-cache", type=Path, default=None,
+                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
+    o.add_argument("--sequences", default=None, help="START:END range of sequences in shard order, e.g. "
+                                                     "sequences no head under test was trained on (default: all)")
+    o.add_argument("--budgets", default="16,32,64,128,256")
+    o.add_argument("--width", type=_positive_int, default=7)
+    o.add_argument("--anchors-per-seq", type=_positive_int, default=16)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    o.set_defaults(func=cmd_eval_offline)
     b = sub.add_parser("bench", help="benchmark decoding methods over evaluation sets and budgets "
                                      "(JSON per run, Markdown summary, plots; resumable)")
     _add_target_args(b)

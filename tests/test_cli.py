@@ -170,3 +170,22 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(train[:-2] + ["--snapshot-at", "1.5", "--out", str(tmp_path / "r2")]) == 2
     assert "snapshot-at" in capsys.readouterr().err
     assert main(cache[:-2] + ["--layers", "1,x"]) == 2 and "--layers" in capsys.readouterr().err
+    # A cache of only the first sequences (what `train --max-sequences` reads), then offline acceptance.
+    assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",
+                 str(tmp_path / "cache4"), "--top-k", "8", "--part-size", "2", "--max-sequences", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sequences"] == 4
+    assert main(subset[:-3] + [str(tmp_path / "cache4"), "--max-sequences", "4", "--out", str(tmp_path / "sub4")]) == 0
+    capsys.readouterr()
+    offline = ["eval-offline", "--target", str(tiny_dir), "--drafter", str(tmp_path / "run" / "drafter"),
+               "--drafter", str(tmp_path / "sub4" / "drafter"), "--data", str(tmp_path / "data"),
+               "--teacher-cache", str(tmp_path / "cache2"), "--sequences", "4:6", "--budgets", "1,8",
+               "--out", str(tmp_path / "offline.json")]
+    assert main(offline) == 0
+    report = json.loads((tmp_path / "offline.json").read_text())
+    assert report["sequences"] == [4, 6] and len(report["drafters"]) == 2
+    for row in report["drafters"].values():
+        assert row["anchors"] > 0 and 1 <= row["tau"]["1"] <= row["tau"]["8"] <= 9
+    assert main(offline[:-2] + ["--teacher-cache", str(tmp_path / "cache4")]) == 2  # cache stops at 4
+    assert "does not cover" in capsys.readouterr().err
+    assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err
+    assert main(offline[:-4] + ["--budgets", "0"]) == 2 and "--budgets" in capsys.readouterr().err

@@ -72,8 +72,15 @@ class BlockDrafter:
         positions = torch.arange(position, position + b, device=device)
         mask = self.head.block_mask(self.context_len, device)
         hidden = self.head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
-        logprobs = (hidden[1:].to(self.lm_weight.dtype) @ self.lm_weight.T).float().log_softmax(-1)
-        if self.draft_ids is None:
-            return logprobs
-        full = logprobs.new_full((b - 1, self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_ids, logprobs)
+        return to_target_logprobs(hidden[1:], self.lm_weight, self.draft_ids, self.vocab_size)
+
+
+def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None,
+                       vocab_size: int) -> torch.Tensor:
+    """Log-probabilities [N, V] over the target vocabulary from head states [N, H] (tokens outside a
+    reduced draft vocabulary get -inf)."""
+    logprobs = (hidden.to(lm_weight.dtype) @ lm_weight.T).float().log_softmax(-1)
+    if draft_ids is None:
+        return logprobs
+    full = logprobs.new_full((hidden.shape[0], vocab_size), float("-inf"))
+    return full.index_copy_(1, draft_ids, logprobs)

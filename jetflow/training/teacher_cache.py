@@ -142,12 +142,7 @@ class TeacherCache:
     def __init__(self, cache_dir: str | Path, sequences: list[Sequence], target: TargetModel,
                  tapped_layers: list[int]):
         self.dir = Path(cache_dir)
-        manifest_path = self.dir / "manifest.json"
-        if not manifest_path.is_file():
-            raise JetFlowError(f"{self.dir} has no manifest.json: not a `jetflow cache-teacher` output")
-        m = json.loads(manifest_path.read_text())
-        if m.get("format") != FORMAT:
-            raise JetFlowError(f"{self.dir} is not a teacher cache of format {FORMAT}")
+        m = self.read_manifest(self.dir)
         if m["target"] != target.identity():
             raise JetFlowError(f"teacher cache {self.dir} was built with target {m['target'].get('name')!r}, "
                                f"training uses {target.name!r}")
@@ -168,6 +163,16 @@ class TeacherCache:
                                    f"missing or was built from other data); run `jetflow cache-teacher` again")
             handle = safe_open(str(_part_path(self.dir, index)), framework="pt")
             self.files.append((handle, handle.get_tensor("offsets"), handle.get_tensor("teacher_offsets")))
+
+    @staticmethod
+    def read_manifest(cache_dir: str | Path) -> dict:
+        path = Path(cache_dir) / "manifest.json"
+        if not path.is_file():
+            raise JetFlowError(f"{cache_dir} has no manifest.json: not a `jetflow cache-teacher` output")
+        m = json.loads(path.read_text())
+        if m.get("format") != FORMAT:
+            raise JetFlowError(f"{cache_dir} is not a teacher cache of format {FORMAT}")
+        return m
 
     def fetch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Features [L, taps*H] (bf16), top-k ids [n, k] and log-probs [n, k] of sequence ``index``;
