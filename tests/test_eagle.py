@@ -9,7 +9,7 @@ from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
-from jetflow.training.eagle_objective import ttt_mask, ttt_states
+from jetflow.training.eagle_objective import ttt_states
 from tiny import tiny_model
 
 
@@ -45,32 +45,28 @@ def reference_states(head, embed, fused, tokens, known):
     return states
 
 
-def test_ttt_mask_brute_force():
-    L = 7
-    for step in range(4):
-        m = ttt_mask(L, step)
-        assert m.shape == (L, (step + 1) * L)
-        for t in range(L):
-            for col in range(m.shape[1]):
-                i, tk = divmod(col, L)
-                want = tk <= t - step if i == 0 else tk == t - (step - i)
-                assert bool(m[t, col]) == want
-            assert m[t, step * L + t]  # every row sees itself: no empty softmax
-
-
 @torch.no_grad()
 def test_unrolled_training_states_equal_step_by_step_drafting(target):
     head = make_head(target)
     tokens = torch.randint(0, target.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
     features, _ = target.features_and_logits(tokens.tolist(), torch.arange(1))
     embed = target.model.get_input_embeddings()
-    outs = ttt_states(head, embed(tokens), features, steps=4)
+    outs = ttt_states(head, embed(tokens), features, steps=4)  # every position anchors a chain
     fused = head.fuse(features)
+    assert [o.shape[0] for o in outs] == [12, 11, 10, 9]
     for step in range(4):
-        for t in range(step, 12):
-            anchor = t - step  # chain anchored at t-step: positions up to the anchor use target features
+        for anchor in range(12 - step):  # chain of ``anchor``: positions up to it use target features
+            t = anchor + step
             ref = reference_states(head, embed, fused, tokens[:t + 1].tolist(), known=anchor)
-            torch.testing.assert_close(outs[step][t], ref[t], atol=1e-3, rtol=1e-3)  # fp32 reduction order
+            row = t if step == 0 else anchor
+            torch.testing.assert_close(outs[step][row], ref[t], atol=1e-3, rtol=1e-3)  # fp32 reduction order
+    picked = torch.tensor([1, 4, 5, 9, 10])  # a sample of chains gives the same states as all of them
+    some = ttt_states(head, embed(tokens), features, steps=4, anchors=picked)
+    assert [o.shape[0] for o in some] == [12, 5, 4, 3]
+    torch.testing.assert_close(some[0], outs[0])
+    for step in range(1, 4):
+        alive = picked[picked + step < 12]
+        torch.testing.assert_close(some[step], outs[step][alive], atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()

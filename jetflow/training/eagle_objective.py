@@ -4,8 +4,9 @@ Step 0 is teacher-forced on the target: position t gets (token t, target feature
 token t+1. At unroll step j >= 1, position t gets (token t, the head's own step-(j-1) state at t-1):
 it is the j-th draft token of a chain anchored at position t-j, exactly as in decoding. Its keys
 are the step-0 keys of positions <= t-j (the context the target had verified) and, on its chain,
-the step-i key of position t-(j-i) for i = 1..j (its draft ancestors and itself) -- one diagonal
-per step, so all anchors of a sequence train in ``steps`` forwards. Tokens stay the regenerated
+the step-i key of position t-(j-i) for i = 1..j (its draft ancestors and itself), so all chains of
+a sequence train in ``steps`` forwards. Like the block head, each sequence trains the chains of K
+random anchors (``anchors_per_seq``); K = the whole answer is EAGLE-3's full unroll. Tokens stay the regenerated
 ones (accepted draft tokens are the target's tokens). Step j's loss has depth j+1; the depth
 weights exp(-(k-1)/gamma) with gamma = -1/ln(0.8) ~ 4.48 give EAGLE-3's 0.8^j.
 """
@@ -17,63 +18,71 @@ import torch
 from jetflow.models.eagle_head import EagleHead
 
 
-def ttt_mask(length: int, step: int, device=None) -> torch.Tensor:
-    """Boolean [L, (step+1)*L] over [step-0 keys, step-1 keys, ..., step-``step`` keys]."""
-    t = torch.arange(length, device=device)
-    cols = [t[None, :] <= (t[:, None] - step)]
-    cols += [t[None, :] == (t[:, None] - (step - i)) for i in range(1, step + 1)]
-    return torch.cat(cols, dim=1)
-
-
-def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Output states [L, H] of every unroll step 0..steps-1 for one sequence."""
+def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, steps: int,
+               anchors: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Unroll steps 0..steps-1 for one sequence. Step 0 (teacher-forced) covers every position: its
+    keys are the context every chain sees. Step j >= 1 covers the chains of ``anchors`` (sorted
+    positions; default: every position) that still fit: row k is the chain of ``anchors[k]`` at
+    position anchors[k] + j. Returns [L, H] for step 0 and [n_j, H] for step j (n_j: chains alive;
+    they are always the first n_j anchors). Training the chains of K random anchors instead of all
+    positions costs L + (steps-1)*K positions instead of steps*L, with the same rows in expectation."""
+    length, device = embeds.shape[0], embeds.device
+    anchors = torch.arange(length, device=device) if anchors is None else anchors.to(device)
     fused = head.fuse(features)
-    length = embeds.shape[0]
-    positions = torch.arange(length, device=embeds.device)
     prev = torch.cat([fused.new_zeros(1, fused.shape[-1]), fused[:-1]])
-    caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    outs = []
-    for step in range(steps):
-        past = None
-        if caches:
-            past = [(torch.cat([c[layer][0] for c in caches], -2), torch.cat([c[layer][1] for c in caches], -2))
-                    for layer in range(len(head.layers))]
-        out, new = head(head.step_input(embeds, prev), positions, past, ttt_mask(length, step, embeds.device))
-        caches.append(new)
+    positions = torch.arange(length, device=device)
+    causal = positions[None, :] <= positions[:, None]
+    out, new = head(head.step_input(embeds, prev), positions, None, causal)
+    outs, caches = [out], [new]
+    prev = out[anchors]  # the state each chain's first draft position reads
+    for step in range(1, steps):
+        alive = int((anchors + step < length).sum())
+        if alive == 0:
+            break
+        query = anchors[:alive] + step
+        past = [(torch.cat([c[layer][0] for c in caches], -2), torch.cat([c[layer][1] for c in caches], -2))
+                for layer in range(len(head.layers))]
+        # Context: step-0 keys up to the anchor; then the chain's own keys of steps 1..step (self included).
+        mask = [positions[None, :] <= anchors[:alive, None]]
+        mask += [torch.eye(alive, caches[i][0][0].shape[-2], dtype=torch.bool, device=device)
+                 for i in range(1, step)]
+        mask.append(torch.eye(alive, dtype=torch.bool, device=device))
+        out, new = head(head.step_input(embeds[query], prev[:alive]), query, past, torch.cat(mask, dim=1))
         outs.append(out)
-        prev = torch.cat([out.new_zeros(1, out.shape[-1]), out[:-1]])
+        caches.append(new)
+        prev = out
     return outs
 
 
-def eagle_sequence_loss(trainer, index: int, steps: int) -> tuple[torch.Tensor, dict]:
-    """Loss and per-step agreement of one sequence (the EAGLE counterpart of the block loss)."""
+def eagle_sequence_loss(trainer, index: int, steps: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Loss and per-step agreement of one sequence (the EAGLE counterpart of the block loss): the
+    chains of ``anchors_per_seq`` random answer positions, unrolled ``steps`` deep."""
+    from jetflow.training.blocks import sample_anchors
     from jetflow.training.losses import block_loss
 
     c, head, device = trainer.config, trainer.head, trainer.target.device
     seq = trainer.sequences[index]
     tokens = torch.tensor(seq.token_ids)
     length, start = len(tokens), seq.prompt_len
-    if length - 1 <= start:
+    anchors = sample_anchors(start, length, c.anchors_per_seq, generator)
+    if anchors.numel() == 0:
         raise ValueError(f"sequence {seq.prompt_id} has no answer position to learn")
-    teach_pos = torch.arange(start, length - 1)  # position t predicts token t+1, taught by the target at t
-    features, teacher = trainer.teacher.fetch(index, seq, teach_pos)
     with torch.no_grad():
         embeds = trainer.embed(tokens.to(device))
-    states = ttt_states(head, embeds, features, steps)
-    rows, depth = [], []
-    for step, out in enumerate(states):
-        pos = teach_pos[teach_pos - step >= start]  # chains anchored inside the answer
-        rows.append((step, pos))
-        depth.append(torch.full((len(pos),), step + 1))
-    sel_states = torch.cat([states[s][p.to(device)] for s, p in rows])
+    # Step j of the chain at anchor a sits at a+j and predicts token a+j+1, taught by the target at a+j.
+    rows = [(step, (anchors + step)[anchors + step <= length - 2]) for step in range(steps)]
+    rows = [(step, pos) for step, pos in rows if len(pos)]
+    teach_pos = torch.cat([pos for _, pos in rows])
+    features, teacher = trainer.teacher.fetch(index, seq, teach_pos)
+    states = ttt_states(head, embeds, features, len(rows), anchors)
+    sel_states = torch.cat([states[0][pos.to(device)] if step == 0 else states[step][:len(pos)]
+                            for step, pos in rows])
     logits = head.logits(sel_states, trainer.lm_weight)
-    t_rows = torch.cat([p - start for _, p in rows])
-    labels = tokens[torch.cat([p for _, p in rows]) + 1]
+    labels = tokens[teach_pos + 1]
     if trainer.label_index is not None:
         labels = trainer.label_index[labels]
-    depth = torch.cat(depth)
+    depth = torch.cat([torch.full((len(pos),), step + 1) for step, pos in rows])
     usable = labels >= 0 if c.loss == "sft" else torch.ones(len(labels), dtype=torch.bool)
-    teacher = teacher[t_rows.to(teacher.device)]
     loss = block_loss(logits, teacher, labels.clamp(min=0).to(device), usable.to(device), depth.to(device),
                       c.loss, c.kl_temperature, c.gamma)
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float()

@@ -189,7 +189,7 @@ class Trainer:
     # ------------------------------------------------------------------ one sequence
     def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
         if self.head.config.kind == "eagle3":  # unrolled on its own states over the whole sequence
-            return eagle_sequence_loss(self, index, self.config.ttt_steps or self.head.max_depth)
+            return eagle_sequence_loss(self, index, self.config.ttt_steps or self.head.max_depth, generator)
         c, head, device = self.config, self.head, self.target.device
         seq = self.sequences[index]
         tokens = torch.tensor(seq.token_ids)
