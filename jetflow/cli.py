@@ -492,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache only the first N sequences of --data in shard order (what `train --max-sequences` "
                         "will read)")
     c.set_defaults(func=cmd_cache_teacher)
-    o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget, measured without decoding on "
-                                            "held-out regenerated sequences (fast; for ablations)")
+    o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget on held-out regenerated "
+                                            "sequences, decoding replayed without the target (for ablations)")
     _add_target_args(o)
     o.add_argument("--drafter", required=True, action="append", help="block-head checkpoint (repeat to compare)")
     o.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output (greedy answers)")
@@ -503,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "sequences no head under test was trained on (default: all)")
     o.add_argument("--budgets", default="16,32,64,128,256")
     o.add_argument("--width", type=_positive_int, default=7)
-    o.add_argument("--anchors-per-seq", type=_positive_int, default=16)
+    o.add_argument("--anchors-per-seq", type=_non_negative_int, default=0,
+                   help="0: rounds where greedy decoding puts them (reproduces decoding's tau; default); "
+                        "N: N random answer anchors per sequence, shared by all budgets")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)

@@ -184,7 +184,7 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     report = json.loads((tmp_path / "offline.json").read_text())
     assert report["sequences"] == [4, 6] and len(report["drafters"]) == 2
     for row in report["drafters"].values():
-        assert row["anchors"] > 0 and 1 <= row["tau"]["1"] <= row["tau"]["8"] <= 9
+        assert row["mode"] == "decode" and row["rounds"]["1"] > 0 and 1 <= row["tau"]["1"] <= 9
     assert main(offline[:-2] + ["--teacher-cache", str(tmp_path / "cache4")]) == 2  # cache stops at 4
     assert "does not cover" in capsys.readouterr().err
     assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err

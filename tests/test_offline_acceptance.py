@@ -56,43 +56,54 @@ def test_path_nodes_and_budget_prefixes():
     assert path_nodes(tree, [6, 7]) == [2] and path_nodes(tree, [9]) == []
 
 
-@pytest.mark.parametrize("budget, width", [(1, 7), (4, 2), (16, 7), (64, 7), (5, 1)])
-def test_matches_the_decoding_loop_round_by_round(target, sequences, head, budget, width):
-    teacher = OnlineTeacher(target, None)
+def decode_rounds(target, head, seq, budget, width):
     jf = jetflow.JetFlow(target, head, budget=budget, width=width)
-    rounds = 0
-    for index, seq in enumerate(sequences):
-        prompt = seq.token_ids[:seq.prompt_len]
-        spec = jf.generate(prompt, max_new_tokens=40)
-        assert spec.token_ids == seq.token_ids[seq.prompt_len:seq.prompt_len + 40]
-        anchor = seq.prompt_len  # the prefill's token anchors the first round
-        for emitted in spec.stats["accept_lengths"]:
-            one = offline_acceptance(head, target, sequences, teacher, [index], [budget], width,
-                                     anchors={index: torch.tensor([anchor])})
-            accepted = one.tree_accepted[budget] if width > 1 else one.chain_accepted
-            if width == 1:  # the chain arm drafts the whole block; the loop's chain is the budget
-                accepted = min(accepted, budget)
-            assert accepted == emitted - 1, (index, anchor)
-            anchor += emitted
-            rounds += 1
-    assert rounds > 10
+    spec = jf.generate(seq.token_ids[:seq.prompt_len], max_new_tokens=len(seq.token_ids) - seq.prompt_len)
+    assert spec.token_ids == seq.token_ids[seq.prompt_len:]  # the data is the target's greedy answer
+    return spec.stats["accept_lengths"]
+
+
+@pytest.mark.parametrize("budget, width", [(1, 7), (4, 2), (16, 7), (64, 7), (5, 1)])
+def test_replayed_rounds_equal_the_decoding_loop(target, sequences, head, budget, width):
+    teacher = OnlineTeacher(target, None)
+    result = offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [budget], width)
+    replayed = result.depths[budget]
+    decoded = []
+    for seq in sequences:
+        lengths = decode_rounds(target, head, seq, budget, width)
+        # The data ends where decoding stopped: its last round may draft past it, the replay cannot.
+        decoded += [n - 1 for n in lengths[:-1]] + [None]
+    assert len(replayed) == len(decoded) and len(decoded) > 10
+    for got, want in zip(replayed, decoded):
+        assert want is None or got == want
+    if width == 1:  # the chain column drafts the whole block, a chain of budget B-1
+        assert result.depths["chain"] == offline_acceptance(head, target, sequences, teacher, [0, 1, 2],
+                                                            [head.config.block_size - 1], 1).depths[
+            head.config.block_size - 1]
+
+
+@pytest.mark.parametrize("budget, width", [(4, 2), (64, 7)])
+def test_given_anchors_equal_the_decoding_loop(target, sequences, head, budget, width):
+    """Fixed anchors (the uniform mode's path) agree with decoding at the rounds decoding made."""
+    seq = sequences[1]
+    lengths = decode_rounds(target, head, seq, budget, width)
+    anchors = seq.prompt_len + torch.tensor([0] + lengths[:-1]).cumsum(0)
+    result = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [1], [budget], width,
+                                anchors={1: anchors[:-1]})
+    assert result.depths[budget] == [n - 1 for n in lengths[:-1]]
 
 
 def test_larger_budgets_never_accept_less(target, sequences, head):
     result = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1, 2],
                                 [1, 4, 16, 64], width=7, anchors_per_seq=20)
-    tau = result.summary()["tau"]
-    assert result.anchors == 60
-    assert tau["1"] <= tau["4"] <= tau["16"] <= tau["64"]
-    assert tau["64"] > 1.5  # the trained head gets whole runs accepted
-    reached = result.summary()["depth_acceptance"]
+    s = result.summary()
+    assert s["mode"] == "uniform" and s["rounds"] == {"1": 60, "4": 60, "16": 60, "64": 60, "chain": 60}
+    assert s["tau"]["1"] <= s["tau"]["4"] <= s["tau"]["16"] <= s["tau"]["64"]
+    assert s["tau"]["64"] > 1.5  # the trained head gets whole runs accepted
+    reached = s["depth_acceptance"]
     assert all(x >= y for x, y in zip(reached, reached[1:]))
-
-
-def test_chain_is_the_width_one_tree_of_the_whole_block(target, sequences, head):
-    result = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1],
-                                [head.config.block_size - 1], width=1, anchors_per_seq=10)
-    assert result.tree_accepted[head.config.block_size - 1] == result.chain_accepted
+    walk = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1, 2], [1, 64]).summary()
+    assert walk["mode"] == "decode" and walk["rounds"]["1"] > walk["rounds"]["64"]  # more tokens per round
 
 
 def test_refuses_eagle_heads_and_bad_budgets(target, sequences):

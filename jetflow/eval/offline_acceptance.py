@@ -2,11 +2,12 @@
 
 On such a sequence, greedy speculative decoding from an anchor accepts exactly the longest prefix of
 the sequence's own continuation that lies in the round's draft tree: at every node the target's
-argmax *is* the next data token. So tau at every budget follows from one head forward per sequence
-(all its anchors at once, as in training) and one best-first tree per anchor, with no target forward
-and no decoding loop: thousands of anchors in minutes, which is what ablations between heads need.
-A best-first tree of budget n is the first n+1 nodes of the largest one, so one tree prices every
-budget. Tested against the real decoding loop, round by round (tests/test_offline_acceptance.py).
+argmax *is* the next data token. So decoding can be replayed without the target: head forwards over
+the sequence's anchors (batched, as in training), one best-first tree per round, the next round
+right after the bonus token. That reproduces decoding's rounds and tau exactly (tested round by round
+against the decoding loop, tests/test_offline_acceptance.py) at a fraction of the cost, which is
+what ablations between heads need. Uniform random anchors are an option; they weight every position
+alike, while decoding spends more rounds where drafts fail, so their tau reads higher.
 
 Only block heads: an autoregressive (eagle3) head drafts each depth from its own path, so its tree
 needs the decoding loop (``jetflow bench``).
@@ -46,44 +47,78 @@ def accepted_depth(nodes: list[int], budget: int) -> int:
     return sum(1 for n in nodes if n <= budget)
 
 
+CHAIN = "chain"  # width-1 chain of the whole block (the DFlash draft), measured next to the trees
+
+
 @dataclass
 class OfflineAcceptance:
     budgets: list[int]
     width: int
-    anchors: int = 0
-    tree_accepted: dict[int, int] = field(default_factory=dict)  # budget -> accepted draft tokens, summed
-    chain_accepted: int = 0  # width-1 chain of the whole block (the DFlash draft)
-    depth_reached: list[int] = field(default_factory=list)  # [d]: anchors whose largest tree accepted >= d+1
+    mode: str  # "decode": rounds where decoding puts them; "uniform": random anchors
+    depths: dict = field(default_factory=dict)  # budget or CHAIN -> accepted draft tokens of each round
+    depth_reached: list[int] = field(default_factory=list)  # [d]: rounds of the largest budget accepting >= d+1
 
-    def add(self, nodes: list[int], chain: int) -> None:
-        self.anchors += 1
-        for b in self.budgets:
-            self.tree_accepted[b] = self.tree_accepted.get(b, 0) + accepted_depth(nodes, b)
-        self.chain_accepted += chain
-        deepest = accepted_depth(nodes, max(self.budgets))
-        self.depth_reached += [0] * (deepest - len(self.depth_reached))
-        for d in range(deepest):
-            self.depth_reached[d] += 1
+    @property
+    def rounds(self) -> dict:
+        return {arm: len(d) for arm, d in self.depths.items()}
+
+    @property
+    def accepted(self) -> dict:
+        return {arm: sum(d) for arm, d in self.depths.items()}
+
+    def add(self, arm, depth: int) -> None:
+        self.depths.setdefault(arm, []).append(depth)
+        if arm == max(self.budgets):
+            self.depth_reached += [0] * (depth - len(self.depth_reached))
+            for d in range(depth):
+                self.depth_reached[d] += 1
+
+    def tau(self, arm) -> float:
+        return 1 + self.accepted.get(arm, 0) / max(1, self.rounds.get(arm, 0))
 
     def summary(self) -> dict:
         """tau counts the bonus token (1 + accepted draft tokens per round), as ``jetflow bench`` does."""
-        n = max(1, self.anchors)
-        return {"anchors": self.anchors, "width": self.width,
-                "tau": {str(b): 1 + self.tree_accepted.get(b, 0) / n for b in self.budgets},
-                "chain_tau": 1 + self.chain_accepted / n,
-                "depth_acceptance": [c / n for c in self.depth_reached]}
+        largest = self.rounds.get(max(self.budgets), 0)
+        return {"mode": self.mode, "width": self.width,
+                "rounds": {str(b): self.rounds.get(b, 0) for b in [*self.budgets, CHAIN]},
+                "tau": {str(b): self.tau(b) for b in self.budgets},
+                "chain_tau": self.tau(CHAIN),
+                "depth_acceptance": [c / max(1, largest) for c in self.depth_reached]}
+
+
+class _Drafts:
+    """Per-anchor draft log-probabilities of one sequence: head forwards over chunks of anchors,
+    computed when a walk first needs them."""
+
+    def __init__(self, head, embed, lm_weight, vocab_size, features, tokens, chunk: int = 64):
+        self.head, self.embed, self.lm_weight, self.vocab_size = head, embed, lm_weight, vocab_size
+        self.features, self.tokens, self.chunk = features, tokens, chunk
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __call__(self, anchor: int, upcoming: list[int]) -> torch.Tensor:
+        if anchor not in self.cache:
+            picks = torch.tensor(sorted({anchor, *[a for a in upcoming if a not in self.cache]})[:self.chunk])
+            block = self.head.config.block_size
+            blocks = make_blocks(self.tokens, picks, block, self.head.config.mask_token_id)
+            hidden = blocks_forward(self.head, self.embed, self.features, blocks).view(len(picks), block, -1)
+            for k, a in enumerate(picks.tolist()):
+                self.cache[a] = to_target_logprobs(hidden[k, 1:], self.lm_weight, self.head.draft_ids,
+                                                   self.vocab_size)
+        return self.cache[anchor]
 
 
 @torch.no_grad()
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
-                       budgets: list[int], width: int = 7, anchors_per_seq: int = 16, seed: int = 0,
+                       budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
                        anchors: dict[int, torch.Tensor] | None = None) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
-    Anchors are ``anchors_per_seq`` random answer positions per sequence (seeded), or the given
-    ``anchors[i]``. An anchor near the end can accept at most the tokens left in the sequence, as
-    decoding stops there too."""
+    Rounds are placed where greedy decoding places them (``anchors_per_seq=0``, the default): the
+    first at the answer's first token, each next one right after the previous round's bonus token,
+    separately per budget -- this reproduces decoding's tau. Otherwise each sequence gets
+    ``anchors_per_seq`` random answer anchors (seeded), or the given ``anchors[i]``, shared by all
+    budgets. A round near the end accepts at most the tokens left in the sequence."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
@@ -92,27 +127,37 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     head = head.eval()
     embed = target.model.get_input_embeddings()
     lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
-    block, largest = head.config.block_size, max(budgets)
-    result = OfflineAcceptance(sorted(budgets), width)
+    block, budgets = head.config.block_size, sorted(budgets)
+    arms = [(b, b, width) for b in budgets] + [(CHAIN, block - 1, 1)]
+    walk = anchors is None and anchors_per_seq == 0
+    result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform")
     g = torch.Generator().manual_seed(seed)
     for index in indices:
         seq = sequences[index]
-        tokens = torch.tensor(seq.token_ids)
-        picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(tokens),
-                                                                         anchors_per_seq, g)
-        if picks.numel() == 0:
+        last = len(seq.token_ids) - 2  # the last anchor with a token after it
+        if last < seq.prompt_len:
             continue
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
-        blocks = make_blocks(tokens, picks, block, head.config.mask_token_id)
-        hidden = blocks_forward(head, embed, features, blocks).view(len(picks), block, -1)
-        for k, a in enumerate(picks.tolist()):
-            depth_lp = to_target_logprobs(hidden[k, 1:], lm_weight, head.draft_ids, target.vocab_size)
+        drafts = _Drafts(head, embed, lm_weight, target.vocab_size, features, torch.tensor(seq.token_ids))
+
+        def accepted(a: int, size: int, w: int, upcoming: list[int]) -> int:
             continuation = seq.token_ids[a + 1:a + block]
-            depth_lp = depth_lp[:len(continuation)]
-            root = seq.token_ids[a]
-            nodes = path_nodes(build_tree(depth_lp, root, largest, width), continuation)
-            chain = len(path_nodes(build_tree(depth_lp, root, depth_lp.shape[0], 1), continuation))
-            result.add(nodes, chain)
+            depth_lp = drafts(a, upcoming)[:len(continuation)]
+            return accepted_depth(path_nodes(build_tree(depth_lp, seq.token_ids[a], size, w), continuation), size)
+
+        if walk:
+            for arm, size, w in arms:
+                a = seq.prompt_len
+                while a <= last:
+                    depth = accepted(a, size, w, list(range(a + 1, last + 1)))
+                    result.add(arm, depth)
+                    a += depth + 1
+        else:
+            picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(seq.token_ids),
+                                                                             anchors_per_seq, g)
+            for a in picks.tolist():
+                for arm, size, w in arms:
+                    result.add(arm, accepted(a, size, w, picks.tolist()))
     return result
 
 
@@ -132,10 +177,11 @@ def parse_range(text: str | None, total: int) -> tuple[int, int]:
 
 
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
-                      budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 16,
+                      budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
                       seed: int = 0, log=print) -> dict:
-    """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (the same
-    anchors for every drafter). Features come from ``teacher_cache`` or from the target run online."""
+    """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
+    decoding puts them, or the same random anchors for every drafter). Features come from
+    ``teacher_cache`` or from the target run online."""
     from jetflow.training.teacher import CachedTeacher, OnlineTeacher
     from jetflow.training.teacher_cache import TeacherCache
     from jetflow.training.trainer import load_sequences
