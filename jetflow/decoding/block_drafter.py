@@ -79,8 +79,13 @@ def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids:
                        vocab_size: int) -> torch.Tensor:
     """Log-probabilities [N, V] over the target vocabulary from head states [N, H] (tokens outside a
     reduced draft vocabulary get -inf)."""
-    logprobs = (hidden.to(lm_weight.dtype) @ lm_weight.T).float().log_softmax(-1)
+    logprobs = draft_logprobs(hidden, lm_weight)
     if draft_ids is None:
         return logprobs
     full = logprobs.new_full((hidden.shape[0], vocab_size), float("-inf"))
     return full.index_copy_(1, draft_ids, logprobs)
+
+
+def draft_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [N, Vd] over the head's own (possibly reduced) vocabulary."""
+    return (hidden.to(lm_weight.dtype) @ lm_weight.T).float().log_softmax(-1)

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from jetflow.data.shards import Sequence
-from jetflow.decoding.block_drafter import to_target_logprobs
+from jetflow.decoding.block_drafter import draft_logprobs
 from jetflow.errors import JetFlowError
 from jetflow.models.draft_head import DraftHead
+from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
 from jetflow.training.blocks import make_blocks, sample_anchors
-from jetflow.training.trainer import blocks_forward
+from jetflow.training.trainer import block_context, blocks_forward
 from jetflow.tree.build import DraftTree, build_tree
 
 
@@ -86,25 +87,46 @@ class OfflineAcceptance:
                 "depth_acceptance": [c / max(1, largest) for c in self.depth_reached]}
 
 
-class _Drafts:
-    """Per-anchor draft log-probabilities of one sequence: head forwards over chunks of anchors,
-    computed when a walk first needs them."""
+class _Rounds:
+    """Accepted draft tokens of a round at any anchor of one sequence, for every budget.
 
-    def __init__(self, head, embed, lm_weight, vocab_size, features, tokens, chunk: int = 64):
-        self.head, self.embed, self.lm_weight, self.vocab_size = head, embed, lm_weight, vocab_size
-        self.features, self.tokens, self.chunk = features, tokens, chunk
-        self.cache: dict[int, torch.Tensor] = {}
+    Per anchor, one best-first tree at the largest budget serves all budgets (a smaller budget's
+    tree is its prefix), plus the chain. Head forwards run over chunks of anchors when a walk first
+    reaches one. Trees live in the head's own vocabulary; the continuation is mapped into it (a token
+    outside a reduced vocabulary can never be drafted)."""
 
-    def __call__(self, anchor: int, upcoming: list[int]) -> torch.Tensor:
-        if anchor not in self.cache:
-            picks = torch.tensor(sorted({anchor, *[a for a in upcoming if a not in self.cache]})[:self.chunk])
-            block = self.head.config.block_size
-            blocks = make_blocks(self.tokens, picks, block, self.head.config.mask_token_id)
-            hidden = blocks_forward(self.head, self.embed, self.features, blocks).view(len(picks), block, -1)
-            for k, a in enumerate(picks.tolist()):
-                self.cache[a] = to_target_logprobs(hidden[k, 1:], self.lm_weight, self.head.draft_ids,
-                                                   self.vocab_size)
-        return self.cache[anchor]
+    def __init__(self, head, embed, lm_weight, draft_index, features, seq, largest: int, width: int,
+                 chunk: int = 16):  # small chunks: the block-to-block part of the mask grows as chunk^2
+        self.head, self.embed, self.lm_weight, self.features = head, embed, lm_weight, features
+        self.tokens = torch.tensor(seq.token_ids)
+        ids = self.tokens if draft_index is None else draft_index[self.tokens]
+        self.ids = ids.tolist()  # the sequence in draft-vocabulary ids (-1: outside it)
+        self.largest, self.width, self.chunk = largest, width, chunk
+        self.block = head.config.block_size
+        self.paths: dict[int, tuple[list[int], int]] = {}  # anchor -> (tree path nodes, chain length)
+        self.context = None
+
+    def _fill(self, anchors: list[int]) -> None:
+        picks = torch.tensor(anchors)
+        blocks = make_blocks(self.tokens, picks, self.block, self.head.config.mask_token_id)
+        if self.context is None:
+            self.context = block_context(self.head, self.features)
+        hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
+        hidden = hidden.view(len(picks), self.block, -1)
+        logprobs = draft_logprobs(hidden[:, 1:], self.lm_weight)  # [K, B-1, Vd]
+        for k, a in enumerate(anchors):
+            continuation = self.ids[a + 1:a + self.block]
+            depth_lp = logprobs[k, :len(continuation)]
+            tree = path_nodes(build_tree(depth_lp, self.ids[a], self.largest, self.width), continuation)
+            chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
+            self.paths[a] = (tree, len(chain))
+
+    def accepted(self, anchor: int, budget) -> int:
+        if anchor not in self.paths:
+            last = len(self.ids) - 2
+            self._fill([a for a in range(anchor, min(last, anchor + self.chunk - 1) + 1) if a not in self.paths])
+        tree, chain = self.paths[anchor]
+        return chain if budget == CHAIN else accepted_depth(tree, budget)
 
 
 @torch.no_grad()
@@ -127,8 +149,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     head = head.eval()
     embed = target.model.get_input_embeddings()
     lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
-    block, budgets = head.config.block_size, sorted(budgets)
-    arms = [(b, b, width) for b in budgets] + [(CHAIN, block - 1, 1)]
+    draft_index = None if head.draft_ids is None else target_to_draft_index(head.draft_ids.cpu(), target.vocab_size)
+    budgets = sorted(budgets)
     walk = anchors is None and anchors_per_seq == 0
     result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform")
     g = torch.Generator().manual_seed(seed)
@@ -138,26 +160,20 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         if last < seq.prompt_len:
             continue
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
-        drafts = _Drafts(head, embed, lm_weight, target.vocab_size, features, torch.tensor(seq.token_ids))
-
-        def accepted(a: int, size: int, w: int, upcoming: list[int]) -> int:
-            continuation = seq.token_ids[a + 1:a + block]
-            depth_lp = drafts(a, upcoming)[:len(continuation)]
-            return accepted_depth(path_nodes(build_tree(depth_lp, seq.token_ids[a], size, w), continuation), size)
-
+        rounds = _Rounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width)
         if walk:
-            for arm, size, w in arms:
+            for arm in [*budgets, CHAIN]:
                 a = seq.prompt_len
                 while a <= last:
-                    depth = accepted(a, size, w, list(range(a + 1, last + 1)))
+                    depth = rounds.accepted(a, arm)
                     result.add(arm, depth)
                     a += depth + 1
         else:
             picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(seq.token_ids),
                                                                              anchors_per_seq, g)
             for a in picks.tolist():
-                for arm, size, w in arms:
-                    result.add(arm, accepted(a, size, w, picks.tolist()))
+                for arm in [*budgets, CHAIN]:
+                    result.add(arm, rounds.accepted(a, arm))
     return result
 
 

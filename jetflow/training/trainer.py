@@ -103,12 +103,19 @@ def load_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
     return sequences
 
 
-def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: BlockBatch) -> torch.Tensor:
-    """Hidden states [K*B, H] of all blocks of one sequence in one head forward: the training-time
-    equivalent of the decoder drafting from each anchor (tested to be exactly that)."""
-    device = features.device
+def block_context(head: DraftHead, features: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Fused features [T, H] of a sequence and the head's context keys/values over them."""
     fused = head.fuse(features)
-    ctx = head.context_kv(fused, torch.arange(features.shape[0], device=device))
+    return fused, head.context_kv(fused, torch.arange(features.shape[0], device=features.device))
+
+
+def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: BlockBatch,
+                   context: tuple[torch.Tensor, list] | None = None) -> torch.Tensor:
+    """Hidden states [K*B, H] of all blocks of one sequence in one head forward: the training-time
+    equivalent of the decoder drafting from each anchor (tested to be exactly that). ``context``:
+    :func:`block_context` of ``features``, when several calls share it."""
+    device = features.device
+    fused, ctx = context or block_context(head, features)
     mask = training_mask(blocks.anchors, features.shape[0], head.config.block_size,
                          head.config.attention == "causal").to(device)
     with torch.no_grad():
