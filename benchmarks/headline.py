@@ -47,7 +47,8 @@ def best_table(runs: dict) -> str:
 def scaling_table(runs: dict) -> str:
     out = []
     for ds in dict.fromkeys(k[0] for k in runs):
-        budgets = sorted({b for (d, _, b) in runs if d == ds and b is not None})
+        budgets = sorted({b for (d, _, b) in runs if d == ds and b is not None},
+                         key=lambda b: (isinstance(b, str), b if isinstance(b, int) else 0))  # "auto" last
         methods = [m for m in ORDER if any(k[0] == ds and k[1] == m and k[2] is not None for k in runs)]
         if not budgets:
             continue
