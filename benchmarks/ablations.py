@@ -1,13 +1,13 @@
 """Tables and plots of the training ablations from one `jetflow eval-offline` report.
 
     jetflow eval-offline --data data/regenerated/smollm2-mix --teacher-cache runs/cache \
-        --sequences 1536:1771 --drafter runs/arms/causal-fkl-g0/drafter --drafter ... \
+        --sequences 1643:1771 --drafter runs/arms/causal-fkl-g0/drafter --drafter ... \
         --out docs/results/ablations/offline_tau.json
-    python benchmarks/ablations.py docs/results/ablations/offline_tau.json \
-        --log-dir runs/arms --out docs/results/ablations
+    python benchmarks/ablations.py docs/results/ablations/offline_tau*.json \
+        --log-dir runs/arms --out docs/results/ablations --group NAME,NAME --group ...
 
 Each drafter is named by its run directory (``runs/arms/NAME/drafter`` -> NAME). Writes ``table.md``
-(chain tau, tree tau per budget, held-out loss and depth-1 agreement from the run's train_log.jsonl
+(rounds, chain tau, tree tau per budget, held-out loss and depth-1 agreement from the run's train_log.jsonl
 when --log-dir has it) and ``tau_vs_budget.png`` (one line per drafter; groups share a panel).
 """
 
@@ -34,13 +34,13 @@ def last_eval(log_file: Path) -> dict:
 
 def table(report: dict, log_dir: Path | None) -> str:
     budgets = [str(b) for b in report["budgets"]]
-    head = ["head", "anchors", "chain tau"] + [f"tau@{b}" for b in budgets] + ["steps", "held-out loss",
+    head = ["head", "rounds@16", "chain tau"] + [f"tau@{b}" for b in budgets] + ["steps", "held-out loss",
                                                                                "top-1 depth 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for path, row in report["drafters"].items():
         name = arm_name(path)
         ev = last_eval(log_dir / name / "train_log.jsonl") if log_dir else {}
-        cells = [name, str(row["anchors"]), f"{row['chain_tau']:.2f}"] + [f"{row['tau'][b]:.2f}" for b in budgets]
+        cells = [name, str(row["rounds"][budgets[0]]), f"{row['chain_tau']:.2f}"] + [f"{row['tau'][b]:.2f}" for b in budgets]
         cells += [str(ev.get("step", "")), f"{ev['eval_loss']:.3f}" if ev else "",
                   f"{ev['top1_agreement'][0]:.3f}" if ev else ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -64,7 +64,7 @@ def plot(report: dict, groups: list[list[str]], out: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("tree budget (draft nodes)")
-        ax.set_ylabel("tau (offline, bonus token included)")
+        ax.set_ylabel("tau (decoding replayed offline, bonus incl.)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -75,12 +75,18 @@ def plot(report: dict, groups: list[list[str]], out: Path) -> Path:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("report", type=Path, help="a `jetflow eval-offline --out` JSON")
+    ap.add_argument("reports", type=Path, nargs="+", help="`jetflow eval-offline --out` JSONs (same data, "
+                                                          "range and budgets; their drafters are pooled)")
     ap.add_argument("--log-dir", type=Path, default=None, help="directory holding NAME/train_log.jsonl per arm")
     ap.add_argument("--group", action="append", default=[], help="comma list of arm names sharing a plot panel")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    report = json.loads(args.report.read_text())
+    reports = [json.loads(p.read_text()) for p in args.reports]
+    report = reports[0]
+    for other in reports[1:]:
+        if (other["sequences"], other["budgets"]) != (report["sequences"], report["budgets"]):
+            raise SystemExit("reports cover different sequences or budgets")
+        report["drafters"].update(other["drafters"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table(report, args.log_dir))
     path = plot(report, [g.split(",") for g in args.group], args.out)
