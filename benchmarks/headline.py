@@ -1,6 +1,7 @@
 """The README's headline table from `jetflow bench` outputs: each method at its best budget per dataset.
 
-    python benchmarks/headline.py runs/headline [runs/budget-sweep ...] --out docs/results/headline.md
+    python benchmarks/headline.py runs/headline [runs/budget-sweep ...] --out docs/results/headline.md \
+        --plots docs/results/headline
 
 Reads ``summary.json`` of each bench output (runs of the same dataset and method from several outputs
 are pooled, later outputs winning on equal budgets). For tree methods the budget with the highest
@@ -66,8 +67,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+", type=Path, help="`jetflow bench --out` directories")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plots", type=Path, default=None,
+                    help="write tau_vs_budget.png and speedup_vs_budget.png of the pooled runs here")
     args = ap.parse_args()
     runs = pooled_runs(args.dirs)
+    if args.plots:
+        from jetflow.eval.report import plots
+
+        args.plots.mkdir(parents=True, exist_ok=True)
+        pooled = [{"dataset": d, "method": m, "budget": b, "summary": s} for (d, m, b), s in runs.items()]
+        for path in plots(pooled, args.plots):
+            print(f"plot: {path}")
     text = best_table(runs) + scaling_table(runs)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
