@@ -136,7 +136,8 @@ def plots(runs: list[dict], out_dir: Path) -> list[Path]:
                 ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.set(title=dataset, xlabel="budget (draft nodes per round)", ylabel=label)
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=8)
+        for ax in axes[0]:  # methods differ per dataset (e.g. eagle3 on one set only)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = Path(out_dir) / fname
         fig.savefig(path, dpi=110)
