@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ["ar", "hf", "pld", "dflash", "ddtree", "jetflow-chain", "jetflow", "eagle3"]
+from jetflow.eval.report import ORDER  # the bench's own method order
 
 
 def pooled_runs(dirs: list[Path]) -> dict:

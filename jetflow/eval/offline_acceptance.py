@@ -121,10 +121,15 @@ class _Rounds:
             chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
             self.paths[a] = (tree, len(chain))
 
+    def prefetch(self, anchors: list[int]) -> None:
+        """Compute the given anchors not yet known, ``chunk`` per head forward."""
+        todo = [a for a in anchors if a not in self.paths]
+        for i in range(0, len(todo), self.chunk):
+            self._fill(todo[i:i + self.chunk])
+
     def accepted(self, anchor: int, budget) -> int:
-        if anchor not in self.paths:
-            last = len(self.ids) - 2
-            self._fill([a for a in range(anchor, min(last, anchor + self.chunk - 1) + 1) if a not in self.paths])
+        if anchor not in self.paths:  # a walk: the next anchors are likely ones, batch them
+            self.prefetch(list(range(anchor, min(len(self.ids) - 2, anchor + self.chunk - 1) + 1)))
         tree, chain = self.paths[anchor]
         return chain if budget == CHAIN else accepted_depth(tree, budget)
 
@@ -171,6 +176,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         else:
             picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(seq.token_ids),
                                                                              anchors_per_seq, g)
+            rounds.prefetch(picks.tolist())
             for a in picks.tolist():
                 for arm in [*budgets, CHAIN]:
                     result.add(arm, rounds.accepted(a, arm))
