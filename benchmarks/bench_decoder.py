@@ -20,6 +20,7 @@ import jetflow
 from bench_target import PROMPTS
 from jetflow.eval.machine import machine
 from jetflow.eval.datasets import load_eval_set
+from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 
@@ -47,7 +48,7 @@ def main():
         p.as_chat() for p in load_eval_set(args.prompts, args.limit)]
     target = TargetModel.load(args.target)
     if args.drafter:
-        head = DraftHead.from_pretrained(args.drafter, target=target)
+        head = load_drafter(args.drafter, target=target)  # a block or an EAGLE head
     else:
         torch.manual_seed(0)
         head = DraftHead(DraftHeadConfig.for_target(target, num_hidden_layers=args.random_head))

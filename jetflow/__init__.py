@@ -12,6 +12,7 @@ _LAZY = {
     "TargetModel": "jetflow.models.target",
     "DraftHead": "jetflow.models.draft_head",
     "DraftHeadConfig": "jetflow.models.draft_head",
+    "load_drafter": "jetflow.models.checkpoint",
     "resolve_model": "jetflow.models.resolve",
     "SamplingParams": "jetflow.decoding.sampling",
     "GenerationResult": "jetflow.decoding.result",

@@ -16,6 +16,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "llamacpp"],
+                   help="target runtime: llamacpp runs a GGUF file as is with llama.cpp; torch runs transformers; "
+                        "auto (default): llamacpp for GGUF targets on the CPU when llama-cpp-python is installed, "
+                        "else torch (training commands always use torch)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="llama.cpp threads (default: all cores)")
 
 
 def _device_and_dtype(args):
@@ -37,8 +43,8 @@ def _load_jetflow(args):
     drafter = args.drafter
     if drafter.lower() not in ("none", "auto") and not Path(drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
-    return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype,
-                                   budget=args.budget, width=args.width)
+    return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
+                                   n_threads=args.threads, budget=args.budget, width=args.width)
 
 
 def _comparison(spec, ar, drafter) -> str:
@@ -74,7 +80,7 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jetflow.decoding.api import generate as autoregressive_generate
+    from jetflow.decoding.reference import generate_with_reference
     from jetflow.decoding.sampling import SamplingParams
 
     # Fail on bad input before spending seconds on loading a model.
@@ -84,18 +90,9 @@ def cmd_generate(args) -> int:
     jf = _load_jetflow(args)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
-    result = None
-    for event in jf.stream(args.prompt, **request):
-        if isinstance(event, str):
-            if not args.json:
-                sys.stdout.write(event)
-                sys.stdout.flush()
-        else:
-            result = event
-    lossless = reference = None
-    if args.check_lossless or args.compare:
-        reference = autoregressive_generate(jf.target, args.prompt, **request)
-        lossless = reference.token_ids == result.token_ids
+    result, reference = generate_with_reference(jf, args.prompt, reference=args.check_lossless or args.compare,
+                                                on_delta=None if args.json else _write_delta, **request)
+    lossless = None if reference is None else reference.token_ids == result.token_ids
     if args.json:
         out = result.to_dict()
         out.update(target=jf.target.name, drafter=jf.drafter_path)
@@ -121,6 +118,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _write_delta(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def cmd_regenerate(args) -> int:
     from jetflow.data.prompts import load_prompts
     from jetflow.data.regenerate import regenerate
@@ -136,7 +138,7 @@ def cmd_regenerate(args) -> int:
     prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix)
     if not prompts:
         raise JetFlowError(f"no prompts loaded from {args.prompts!r}")
-    target = _load_jetflow_target(args)
+    target = _load_jetflow_target(args, training=True)
     manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
                           sources=args.prompts, mix=mix, answers=args.answers)
@@ -146,7 +148,9 @@ def cmd_regenerate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
+    from jetflow.training.distributed import init_distributed, is_main_process
+    from jetflow.training.run import train_drafter
+    from jetflow.training.trainer import TrainConfig
 
     config = TrainConfig(loss=args.loss, kl_temperature=args.kl_temperature, gamma=args.gamma,
                          attention=args.attention, block_size=args.block_size, anchors_per_seq=args.anchors_per_seq,
@@ -156,48 +160,14 @@ def cmd_train(args) -> int:
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps)
     fractions = _fractions(args.snapshot_at)
-    _init_distributed()
-    target = _load_jetflow_target(args)
-    head = _initial_head(args, target, config) if args.init_from else None
-    sequences = _first_sequences(args, load_sequences(args.data, target))
-    trainer = Trainer(target, sequences, args.out, config, head=head, teacher_cache=args.teacher_cache)
-    if args.resume and trainer.resume():
-        print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
-    elif (Path(args.out) / "trainer_state").exists() and not args.resume:
-        raise JetFlowError(f"{args.out} already holds a training run; pass --resume or choose another --out")
-    snapshots = tuple(max(1, round(f * trainer.total_steps)) for f in fractions)
-    result = trainer.fit(max_steps=args.max_steps, snapshots=snapshots)
-    if trainer.rank == 0:
+    init_distributed()
+    target = _load_jetflow_target(args, training=True)
+    result = train_drafter(target, args.data, args.out, config, init_from=args.init_from,
+                           max_sequences=args.max_sequences, teacher_cache=args.teacher_cache, resume=args.resume,
+                           max_steps=args.max_steps, snapshot_at=tuple(fractions))
+    if is_main_process():
         print(json.dumps(result))
     return 0
-
-
-def _first_sequences(args, sequences: list) -> list:
-    """``--max-sequences N``: the first N sequences in shard order (all without it)."""
-    if args.max_sequences is None:
-        return sequences
-    if args.max_sequences > len(sequences):
-        raise JetFlowError(f"--max-sequences {args.max_sequences}: {args.data} holds only {len(sequences)}")
-    return sequences[:args.max_sequences]
-
-
-def _initial_head(args, target, config):
-    """Warm start from an earlier drafter (fresh optimizer and schedule); its shape must be the run's."""
-    import torch
-
-    from jetflow.models.draft_head import DraftHead
-
-    head = DraftHead.from_pretrained(args.init_from, target=target, dtype=torch.float32)
-    c = head.config
-    vocab = c.draft_vocab_size if c.reduced_vocab else 0
-    wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
-              "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
-              "feed-last-feature": (c.feed_last_feature, config.feed_last_feature),
-              "depth-embedding": (c.depth_embedding, config.depth_embedding), "head": (c.kind, config.head)}
-    bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
-    if bad:
-        raise JetFlowError(f"--init-from {args.init_from} does not match " + ", ".join(bad))
-    return head
 
 
 def _fractions(text: str | None) -> list[float]:
@@ -212,27 +182,14 @@ def _fractions(text: str | None) -> list[float]:
     return values
 
 
-def _init_distributed() -> None:
-    """Under ``torchrun`` (WORLD_SIZE > 1) join the process group: nccl on GPUs, gloo on CPU."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def cmd_cache_teacher(args) -> int:
     from jetflow.training.teacher_cache import build_teacher_cache
     from jetflow.training.trainer import load_sequences
 
-    target = _load_jetflow_target(args)
+    target = _load_jetflow_target(args, training=True)
     if args.layers:
         target.set_tapped_layers(_int_list(args.layers, "--layers"))
-    sequences = _first_sequences(args, load_sequences(args.data, target))
+    sequences = load_sequences(args.data, target, args.max_sequences)
     manifest = build_teacher_cache(target, sequences, args.out, top_k=args.top_k,
                                    sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
                                    source=str(args.data))
@@ -251,7 +208,7 @@ def cmd_eval_offline(args) -> int:
     budgets = _int_list(args.budgets, "--budgets")
     if min(budgets) < 1:
         raise JetFlowError(f"--budgets must be >= 1, got {args.budgets!r}")
-    target = _load_jetflow_target(args)
+    target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr))
     if args.out:
@@ -261,20 +218,9 @@ def cmd_eval_offline(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import json as _json
-
-    import torch
-
-    from jetflow.decoding.block_drafter import BlockDrafter
-    from jetflow.decoding.costs import measure_costs
+    from jetflow.eval.bench import run_bench
     from jetflow.eval.datasets import load_eval_set
-    from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark, typical_context
-    from jetflow.eval.machine import machine
-    from jetflow.eval.methods import MethodRunner, parse_methods
-    from jetflow.eval.report import markdown, plots
-    from jetflow.models.draft_head import DraftHead
-    from jetflow.models.shipped import shipped_drafter
-    from jetflow.utils.fs import write_json_atomic
+    from jetflow.eval.methods import parse_methods
 
     methods = parse_methods(args.methods)
     budgets = _budget_list(args.budgets)
@@ -285,85 +231,36 @@ def cmd_bench(args) -> int:
     if not datasets:
         raise JetFlowError("--datasets names no evaluation set")
     target = _load_jetflow_target(args)
-    paths = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter}
-    if paths["causal"] == "auto":
-        paths["causal"] = shipped_drafter(target.name)
-    heads = {}
-    for kind, path in paths.items():
-        if path is None or not any(m.head == kind for m in methods):
-            continue
-        if not Path(path).is_dir():
-            raise JetFlowError(f"drafter checkpoint directory not found: {path}")
-        heads[kind] = DraftHead.from_pretrained(path, target=target, device=target.device)
-    runner = MethodRunner(target, heads, width=args.width)
-    for spec in methods:
-        runner.check(spec)
-    settings = BenchSettings(target=target.name, drafters={k: str(v) for k, v in paths.items() if k in heads},
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                             limit=args.limit, width=args.width, repeats=args.repeats)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = run_benchmark(runner, methods, datasets, budgets, settings, out)
-    costs, block = None, None
-    if not args.no_cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
-        drafters = {kind: d.drafter for kind, d in runner.decoders.items()}
-        block = next((d.block_size for k, d in drafters.items() if k != "eagle3"), None)
-        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()))
-        context = typical_context(runs)
-        costs = measure_costs(target, sizes, None, context=context)
-        costs["draft_ms"] = {kind: measure_costs(target, sizes, d, context=context, width=args.width)["draft_ms"]
-                             for kind, d in drafters.items()}
-        for d in drafters.values():
-            d.reset()
-    info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
-            "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
-    write_json_atomic(out / "summary.json", info)
-    (out / "summary.md").write_text(markdown(runs, info["machine"], settings.key(), costs, block))
-    written = plots(runs, out)
-    print(_json.dumps({"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}))
-    return 1 if report_mismatches(runs, args.temperature == 0) else 0
+    drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter}
+    summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
+                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    seed=args.seed, limit=args.limit, repeats=args.repeats,
+                                    cost_model=not args.no_cost_model)
+    print(json.dumps(summary))
+    return 1 if mismatches else 0
 
 
 def cmd_serve(args) -> int:
     import os
 
-    import uvicorn
-
-    from jetflow.serve.app import CleanExitServer, create_app
-    from jetflow.serve.engine import Engine
-    from jetflow.serve.metrics import Metrics
+    from jetflow.serve.server import serve
 
     jf = _load_jetflow(args)
-    if args.budget == "auto" and jf.drafter is not None:
-        print("measuring this machine's cost curve for --budget auto (cached after the first time) ...",
-              file=sys.stderr)
-        jf.adaptive_budget()
-    jf.generate("warm-up", max_new_tokens=4)  # first-call allocations before the first client
-    metrics = Metrics()
-    engine = Engine(jf, max_queue=args.max_queue, metrics=metrics)
-    name = args.model_name or jf.target.name
-    api_key = args.api_key or os.environ.get("JETFLOW_API_KEY") or None
-    app = create_app(engine, name, aliases=(jf.target.name,), api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     metrics=metrics)
-    print(f"jetflow: serving {name!r} (drafter: {jf.drafter_path or 'none'}, budget: {args.budget}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    CleanExitServer(config).run()  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
+    serve(jf, host=args.host, port=args.port, max_queue=args.max_queue,
+          api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
+          max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     return 0
 
 
 def cmd_export_vllm(args) -> int:
     import torch
 
-    from jetflow.export.vllm import export_vllm
+    from jetflow.export.vllm import export_vllm, speculative_config
 
     if not Path(args.drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
     out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
-    cfg = json.loads((out / "config.json").read_text())
-    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": cfg["block_size"] - 1}
-    print(json.dumps({"out": str(out), "speculative_config": spec}))
+    print(json.dumps({"out": str(out), "speculative_config": speculative_config(out)}))
     return 0
 
 
@@ -382,11 +279,19 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise JetFlowError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
-def _load_jetflow_target(args):
-    from jetflow.models.target import TargetModel
+def _load_jetflow_target(args, training: bool = False):
+    """The target on the chosen backend; ``training``: a command that needs the torch backend's
+    training forwards (regenerate, train, cache-teacher, eval-offline)."""
+    from jetflow.models.loading import load_target
 
     device, dtype = _device_and_dtype(args)
-    return TargetModel.load(args.target, device=device, dtype=dtype)
+    backend = args.backend
+    if training:
+        if backend == "llamacpp":
+            raise JetFlowError(f"jetflow {args.command} runs on the torch backend (it needs the target's training "
+                               "forwards); drop --backend llamacpp")
+        backend = "torch"
+    return load_target(args.target, backend=backend, device=device, dtype=dtype, n_threads=args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto",
                    help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
                         "the drafter shipped for the target if there is one, else none")
-    g.add_argument("--budget", type=_budget, default=16,
-                   help="draft tree nodes per round, root not counted (default 16: the best fixed budget on a 2-core "
-                        "CPU), or 'auto': chosen every round from the machine's cost curve and the acceptance so far")
+    g.add_argument("--budget", type=_budget, default=None,
+                   help="draft tree nodes per round, root not counted, or 'auto': chosen every round from the "
+                        "machine's cost curve and the acceptance so far (default: 16 on torch, the best fixed budget "
+                        "on a 2-core CPU; auto on llama.cpp, where verifying is dearer)")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")

@@ -9,29 +9,38 @@ import torch
 
 from jetflow.decoding.api import prepare_request
 from jetflow.decoding.autoregressive import autoregressive_stream
-from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, cached_costs
-from jetflow.decoding.eagle_drafter import EagleDrafter
+from jetflow.decoding.drafter import make_drafter
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
 from jetflow.errors import InvalidRequestError
+from jetflow.models.backend import TargetBackend
+from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
+from jetflow.models.loading import load_target
 from jetflow.models.shipped import shipped_drafter
-from jetflow.models.target import TargetModel
 from jetflow.utils.fs import cache_root
 
 # Best measured budget for the shipped SmolLM2 drafter on a 2-core CPU (budget 16: 1.12x, 64: 0.65x);
 # bigger budgets raise tau but verification cost grows faster there. GPUs afford far more.
 DEFAULT_BUDGET = 16
+# On llama.cpp a 2-token verify already costs 1.8 one-token steps on a 2-core CPU (docs/results.md,
+# "llama.cpp backend"): no fixed budget pays there, 'auto' falls back to plain steps when none does.
+DEFAULT_BUDGETS = {"torch": DEFAULT_BUDGET, "llamacpp": "auto"}
 DEFAULT_WIDTH = 7
 
 
 class JetFlow:
-    def __init__(self, target: TargetModel, head: DraftHead | None = None, *, budget: int | str = DEFAULT_BUDGET,
-                 width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None):
+    def __init__(self, target: TargetBackend, head: DraftHead | None = None, *, budget: int | str | None = None,
+                 width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None):
         self.target = target
-        self.drafter = make_drafter(head, target) if head is not None else None
+        # The lean draft (int8 weights) by default where the target is llama.cpp: there a decoding step
+        # is a few ms and an fp32 head forward would cost more than the step (docs/results.md).
+        self.int8_draft = target.backend == "llamacpp" if int8_draft is None else int8_draft
+        self.drafter = make_drafter(head, target, int8=self.int8_draft) if head is not None else None
+        if budget is None:
+            budget = DEFAULT_BUDGETS.get(target.backend, DEFAULT_BUDGET)
         self.budget, self.width = _check_tree_args(budget, width)
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
         self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"
@@ -46,14 +55,15 @@ class JetFlow:
         return self._adaptive
 
     @classmethod
-    def from_pretrained(cls, target: str | TargetModel | None = None, drafter: str | Path | DraftHead | None = None,
+    def from_pretrained(cls, target: str | TargetBackend | None = None, drafter: str | Path | DraftHead | None = None,
                         *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                        **defaults) -> "JetFlow":
-        """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded TargetModel.
+                        backend: str = "auto", n_threads: int | None = None, **defaults) -> "JetFlow":
+        """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded target;
+        ``backend``: "torch", "llamacpp" (GGUF targets) or "auto" (see jetflow/models/loading.py).
         ``drafter``: a checkpoint directory, a DraftHead, None/"none" for plain decoding, or "auto":
         the drafter shipped with JetFlow for this target when there is one."""
-        if not isinstance(target, TargetModel):
-            target = TargetModel.load(target, device=device, dtype=dtype)
+        if target is None or isinstance(target, (str, Path)):
+            target = load_target(target, backend=backend, device=device, dtype=dtype, n_threads=n_threads)
         head, path = drafter, None
         if isinstance(drafter, str) and drafter.lower() == "auto":
             drafter = shipped_drafter(target.name)
@@ -61,7 +71,7 @@ class JetFlow:
             head = None
         elif isinstance(drafter, (str, Path)):
             path = str(drafter)
-            head = DraftHead.from_pretrained(drafter, target=target, device=target.device)
+            head = load_drafter(drafter, target=target, device=target.device)
         if head is not None:
             head = head.to(device=target.device, dtype=target.dtype)  # shipped bf16 -> the target's dtype
         jf = cls(target, head, **defaults)
@@ -89,10 +99,6 @@ class JetFlow:
         *_, result = events
         return result
 
-
-def make_drafter(head: DraftHead, target: TargetModel) -> BlockDrafter | EagleDrafter:
-    """The decoding-time runner of a head: one block forward per round, or EAGLE's D forwards."""
-    return EagleDrafter(head, target) if head.config.kind == "eagle3" else BlockDrafter(head, target)
 
 
 def _check_tree_args(budget, width) -> tuple[int | str, int]:

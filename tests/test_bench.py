@@ -9,6 +9,7 @@ from jetflow.cli import main
 from jetflow.decoding.costs import measure_costs, speedup_bound
 from jetflow.eval.harness import summarize
 from jetflow.eval.methods import METHODS, MethodRunner, parse_methods
+from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
@@ -33,7 +34,7 @@ def heads(tiny_dir, tmp_path_factory):
 
 def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
     target = TargetModel.load(str(tiny_dir))
-    loaded = {k: DraftHead.from_pretrained(p, target=target) for k, p in heads.items()}
+    loaded = {k: load_drafter(p, target=target) for k, p in heads.items()}
     assert isinstance(loaded["eagle3"], EagleHead)
     runner = MethodRunner(target, loaded, width=3)
     prompt = [{"role": "user", "content": "hello there"}]

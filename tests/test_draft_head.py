@@ -102,6 +102,18 @@ def test_checkpoint_roundtrip_and_format(target, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16", "drafter"]
 
 
+def test_heads_load_on_any_runtime_of_their_target(target, tmp_path):
+    """A checkpoint records the target's backend and dtype but is checked on sizes only: a head
+    trained on torch features loads on another runtime, and checkpoints from before those keys load."""
+    path = make_head(target).save_pretrained(tmp_path / "d")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["target"]["backend"] == "torch" and cfg["target"]["dtype"] == "float32"
+    sizes = {k: v for k, v in cfg["target"].items() if k not in ("backend", "dtype")}
+    for runtime in ({"backend": "llamacpp", "dtype": "bfloat16"}, {}):
+        (path / "config.json").write_text(json.dumps({**cfg, "target": {**sizes, **runtime}}))
+        assert DraftHead.from_pretrained(path, target=target).config.target == {**sizes, **runtime}
+
+
 def test_mismatched_target_is_refused_with_the_reason(target, tokenizer, tmp_path):
     path = make_head(target).save_pretrained(tmp_path / "d")
     other = TargetModel(tiny_model("llama", vocab_size=300), tokenizer, tapped_layers=[0])

@@ -6,7 +6,8 @@ import torch
 
 import jetflow
 from jetflow.decoding.eagle_drafter import EagleDrafter
-from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.checkpoint import load_drafter
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig, DrafterMismatchError
 from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
 from jetflow.training.eagle_objective import ttt_states
@@ -105,8 +106,10 @@ def test_decoding_tree_matches_per_path_reference(target):
 def test_eagle_decoding_is_lossless_and_checkpoints_round_trip(target, tmp_path):
     head = make_head(target, layers=1, depth=6)
     path = head.save_pretrained(tmp_path / "eagle")
-    loaded = DraftHead.from_pretrained(path, target=target)
+    loaded = load_drafter(path, target=target)
     assert isinstance(loaded, EagleHead) and loaded.config.kind == "eagle3"
+    with pytest.raises(DrafterMismatchError, match="load_drafter"):  # the block class loads block heads only
+        DraftHead.from_pretrained(path, target=target)
     for budget in (4, 32, "auto"):
         jf = jetflow.JetFlow(target, loaded, budget=budget, width=4, cost_cache=tmp_path / "costs")
         for prompt in ([5, 6, 7], [100, 3, 44, 9, 2]):
@@ -136,7 +139,7 @@ def test_eagle_head_overfits_a_tiny_set(target, tmp_path):
     held_out = seqs[trainer.eval_set[0]]  # one per unroll step (ttt_steps = depth 4) the answer allows
     assert len(after["top1_agreement"]) == min(4, held_out.answer_len - 1)
     assert after["eval_loss"] < first["eval_loss"] / 4, (first, after)
-    head = DraftHead.from_pretrained(tmp_path / "run" / "drafter", target=target)
+    head = load_drafter(tmp_path / "run" / "drafter", target=target)
     jf = jetflow.JetFlow(target, head, budget=16, width=3)
     lengths = []
     for index in trainer.train_set:

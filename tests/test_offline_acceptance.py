@@ -7,7 +7,8 @@ import jetflow
 from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
 from jetflow.eval.offline_acceptance import accepted_depth, offline_acceptance, path_nodes
-from jetflow.models.draft_head import DraftHead, DraftHeadConfig, head_class
+from jetflow.models.checkpoint import new_head
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.training.teacher import OnlineTeacher
 from jetflow.training.trainer import TrainConfig, Trainer
@@ -109,7 +110,7 @@ def test_larger_budgets_never_accept_less(target, sequences, head):
 def test_refuses_eagle_heads_and_bad_budgets(target, sequences):
     cfg = DraftHeadConfig.for_target(target, block_size=4, kind="eagle3", num_hidden_layers=1)
     with pytest.raises(JetFlowError, match="block head"):
-        offline_acceptance(head_class("eagle3")(cfg), target, sequences, OnlineTeacher(target, None), [0], [4])
+        offline_acceptance(new_head(cfg), target, sequences, OnlineTeacher(target, None), [0], [4])
     block = DraftHead(DraftHeadConfig.for_target(target, block_size=4))
     with pytest.raises(JetFlowError, match="budgets"):
         offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [0])

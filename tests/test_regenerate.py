@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 import jetflow
-from jetflow.data import regenerate as regen_mod
 from jetflow.data.prompts import Prompt
-from jetflow.data.regenerate import generate_batch, regenerate
+from jetflow.data.regenerate import regenerate
 from jetflow.data.shards import list_shards, read_shard
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.errors import JetFlowError
+from jetflow.models.identity import model_identity
 from jetflow.models.target import TargetModel
 from tiny import tiny_model
 
@@ -29,7 +29,7 @@ def test_batched_generation_equals_single_greedy(target):
     ps = [encode_prompt(target.tokenizer, p.as_chat()) for p in prompts(5)]
     target.model.generation_config.eos_token_id = 65  # 'A' in the byte tokenizer: some rows stop early
     try:
-        answers = generate_batch(target, ps, 20)
+        answers = target.generate_batch(ps, 20)
         for ids, ans in zip(ps, answers):
             assert ans == jetflow.generate(target, ids, max_new_tokens=20).token_ids
     finally:
@@ -50,7 +50,7 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
 
     # Kill during the second shard, then resume: same shards as the uninterrupted run.
     calls = {"n": 0}
-    real = regen_mod.generate_batch
+    real = target.generate_batch
 
     def dying(*a, **k):
         calls["n"] += 1
@@ -58,12 +58,12 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(regen_mod, "generate_batch", dying)
+    monkeypatch.setattr(target, "generate_batch", dying)
     with pytest.raises(KeyboardInterrupt):
         regenerate(target, prompts(7), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                    sources="toy", progress=False)
     assert [p.name for p in list_shards(tmp_path / "b")] == ["shard-00000.npz"]
-    monkeypatch.setattr(regen_mod, "generate_batch", real)
+    monkeypatch.undo()
     resumed = regenerate(target, prompts(7), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                          sources="toy", progress=False)
     assert resumed["complete"] and resumed["totals"] == full["totals"]
@@ -73,7 +73,10 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
     with pytest.raises(JetFlowError, match="other settings"):
         regenerate(target, prompts(9), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                    sources="toy", progress=False)
-    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["num_prompts"] == 7
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["num_prompts"] == 7
+    # The model's identity without runtime keys: data serves every runtime, older manifests still resume.
+    assert "backend" in target.identity() and manifest["target"] == model_identity(target)
 
 
 def test_dataset_answers_arm(target, tmp_path):

@@ -241,14 +241,14 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(endless_dir, tmp_path):
 @pytest.mark.real
 def test_smollm2_server_with_the_shipped_drafter(tmp_path):
     import jetflow
-    from jetflow.models.target import TargetModel
+    from jetflow.models.loading import load_target
 
     proc, base = start_server("smollm2-135m-instruct", "auto", "--budget", "16", cache=tmp_path)
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         msgs = [{"role": "user", "content": "What is 12 times 7?"}]
         got = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48, temperature=0)
-        want = jetflow.generate(TargetModel.load("smollm2-135m-instruct"), msgs, max_new_tokens=48)
+        want = jetflow.generate(load_target("smollm2-135m-instruct"), msgs, max_new_tokens=48)  # same backend
         assert got.choices[0].message.content == want.text
         assert got.model_extra["jetflow"]["tau"] > 1.2
     finally:

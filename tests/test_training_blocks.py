@@ -74,7 +74,7 @@ def test_training_forward_equals_inference_drafting(tokenizer, attention, feed_l
     from jetflow.decoding.block_drafter import BlockDrafter
     from jetflow.models.draft_head import DraftHead, DraftHeadConfig
     from jetflow.models.target import TargetModel
-    from jetflow.training.trainer import blocks_forward
+    from jetflow.training.block_objective import blocks_forward
     from tiny import tiny_model
 
     target = TargetModel(tiny_model("llama"), tokenizer, tapped_layers=[0, 2])

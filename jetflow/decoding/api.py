@@ -10,15 +10,15 @@ from collections.abc import Iterator, Sequence
 
 from jetflow.decoding.autoregressive import autoregressive_stream
 from jetflow.decoding.output import OutputStream
-from jetflow.decoding.prompt import encode_prompt, stop_token_ids
+from jetflow.decoding.prompt import encode_prompt
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams
 from jetflow.errors import InvalidRequestError
-from jetflow.models.target import TargetModel
+from jetflow.models.backend import TargetBackend
 
 
 def prepare_request(
-    target: TargetModel,
+    target: TargetBackend,
     prompt: str | list[dict] | list[int],
     *,
     max_new_tokens: int = 256,
@@ -48,20 +48,20 @@ def prepare_request(
     output = OutputStream(
         target.tokenizer,
         max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids(target.tokenizer, target.model.generation_config),
+        stop_token_ids=target.stop_token_ids(),
         stop_strings=[stop] if isinstance(stop, str) else list(stop),
     )
     return prompt_ids, params, output
 
 
-def stream(target: TargetModel, prompt, **request) -> Iterator[str | GenerationResult]:
+def stream(target: TargetBackend, prompt, **request) -> Iterator[str | GenerationResult]:
     """Autoregressive decoding: yield text deltas, then one :class:`GenerationResult`.
     Keyword arguments as in :func:`prepare_request`."""
     prompt_ids, params, output = prepare_request(target, prompt, **request)
     return autoregressive_stream(target, prompt_ids, params, output)
 
 
-def generate(target: TargetModel, prompt, **request) -> GenerationResult:
+def generate(target: TargetBackend, prompt, **request) -> GenerationResult:
     """Run :func:`stream` to the end and return its result."""
     *_, result = stream(target, prompt, **request)
     return result

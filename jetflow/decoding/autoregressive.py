@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
-from jetflow.models.target import TargetModel
+from jetflow.models.backend import TargetBackend
 
 
 def autoregressive_stream(
-    target: TargetModel, prompt_ids: list[int], params: SamplingParams, output: OutputStream
+    target: TargetBackend, prompt_ids: list[int], params: SamplingParams, output: OutputStream
 ) -> Iterator[str | GenerationResult]:
     """Yield text deltas as tokens are produced, then the final :class:`GenerationResult`."""
     t0 = time.perf_counter()

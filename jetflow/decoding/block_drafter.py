@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
-from jetflow.models.target import TargetModel
+from jetflow.models.int8 import int8_linear, int8_linears
 from jetflow.tree.build import DraftTree, build_tree
 
 
@@ -21,13 +22,19 @@ class BlockProposal:
 
 
 class BlockDrafter:
-    def __init__(self, head: DraftHead, target: TargetModel):
+    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False):
         check_compatible(head.config, target)
         target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.eval().requires_grad_(False)
-        self.embed = target.model.get_input_embeddings()  # shared, frozen
+        self.embed = target.embed  # shared, frozen
         # The head's slice of the target's LM head, taken once (all of it unless the vocabulary is reduced).
-        self.lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
+        self.lm_weight = head.output_weight(target.lm_head_weight())
+        self.int8 = int8
+        self.run_head, self.lm_head = self.head, None
+        if int8:  # the lean CPU path: int8 weights, float activations (see jetflow/models/int8.py)
+            self.run_head = int8_linears(self.head)
+            self.run_head.fc = self.head.fc  # context fusion runs in extend() on the float head; forward reads its dtype
+            self.lm_head = int8_linear(self.lm_weight)
         self.draft_ids = head.draft_ids
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size
@@ -55,23 +62,32 @@ class BlockDrafter:
                                for (k, v), (nk, nv) in zip(self.context_kv, new)]
         self.context_len += features.shape[0]
 
-    def propose(self, anchor: int, position: int, room: int, width: int) -> BlockProposal:
-        """The round's draft: one head forward; ``room`` caps the depth (context end)."""
-        return BlockProposal(self.depth_logprobs(anchor, position)[:room], anchor, width)
+    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> BlockProposal:
+        """The round's draft: one head forward; ``room`` caps the depth (context end), and so does
+        ``max_nodes`` (a tree of n nodes is at most n deep: a causal head skips the deeper slots)."""
+        depth = room if max_nodes is None else min(room, max_nodes)
+        return BlockProposal(self.depth_logprobs(anchor, position, depth)[:room], anchor, width)
 
     @torch.inference_mode()
-    def depth_logprobs(self, anchor: int, position: int) -> torch.Tensor:
-        """Draft log-probabilities [B-1, V] of the tokens at depths 1..B-1 after ``anchor`` (over the
-        target vocabulary; tokens outside a reduced draft vocabulary get -inf)."""
+    def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
+        """Draft log-probabilities [D, V] of the tokens at depths 1..D after ``anchor`` (over the
+        target vocabulary; tokens outside a reduced draft vocabulary get -inf). D is B-1, or ``depth``
+        when smaller and the head is causal: its slot j never sees later slots, so running the first
+        depth+1 slots gives exactly their outputs in the full block."""
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
         b = self.block_size
+        if depth is not None and self.head.config.attention == "causal":
+            b = max(2, min(b, depth + 1))
         device = self.head.fc.weight.device
         ids = torch.full((b,), self.head.config.mask_token_id, dtype=torch.long, device=device)
         ids[0] = anchor
         positions = torch.arange(position, position + b, device=device)
-        mask = self.head.block_mask(self.context_len, device)
-        hidden = self.head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
+        mask = self.head.block_mask(self.context_len, device)[:b, : self.context_len + b]
+        hidden = self.run_head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
+        if self.lm_head is not None:
+            logprobs = self.lm_head(hidden[1:]).float().log_softmax(-1)
+            return scatter_draft_vocab(logprobs, self.draft_ids, self.vocab_size)
         return to_target_logprobs(hidden[1:], self.lm_weight, self.draft_ids, self.vocab_size)
 
 
@@ -79,10 +95,14 @@ def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids:
                        vocab_size: int) -> torch.Tensor:
     """Log-probabilities [N, V] over the target vocabulary from head states [N, H] (tokens outside a
     reduced draft vocabulary get -inf)."""
-    logprobs = draft_logprobs(hidden, lm_weight)
+    return scatter_draft_vocab(draft_logprobs(hidden, lm_weight), draft_ids, vocab_size)
+
+
+def scatter_draft_vocab(logprobs: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[N, Vd] log-probabilities over the draft vocabulary -> [N, V] over the target's (-inf outside)."""
     if draft_ids is None:
         return logprobs
-    full = logprobs.new_full((hidden.shape[0], vocab_size), float("-inf"))
+    full = logprobs.new_full((logprobs.shape[0], vocab_size), float("-inf"))
     return full.index_copy_(1, draft_ids, logprobs)
 
 

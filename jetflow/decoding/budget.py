@@ -42,6 +42,12 @@ class AdaptiveBudget:
         self.explore_every = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
         self._plain_rounds = 0  # consecutive rounds without a draft
+        self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
+
+    def draft_nodes(self) -> int:
+        """How many nodes to draft this round: twice the largest recent choice (so the choice can
+        grow), which lets a causal head skip slots deeper than any tree it will be asked for."""
+        return min(self.max_budget, max(8, 2 * self._recent_choice))
 
     def plain_rate(self) -> float:
         """Tokens per ms of a round that verifies the root alone (no draft forward)."""
@@ -81,6 +87,7 @@ class AdaptiveBudget:
         if top < self.min_budget:
             return top
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / (self._cost[n] + self.overhead_ms))
+        self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))
         rate = expected[best] / (self._cost[best] + self.overhead_ms)
         self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
         return best

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from jetflow.decoding.block_drafter import BlockDrafter
-from jetflow.models.target import TargetModel
+from jetflow.decoding.drafter import Drafter
+from jetflow.models.backend import TargetBackend
 
 
 def median_ms(fn, reps: int) -> float:
@@ -42,7 +42,7 @@ def _random_tree(n: int, generator: torch.Generator) -> list[int]:
 
 
 @torch.inference_mode()
-def measure_costs(target: TargetModel, budgets: list[int], drafter: BlockDrafter | None = None,
+def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | None = None,
                   context: int = 256, reps: int = 5, width: int = 7) -> dict:
     """Median milliseconds of: a one-token target step (``c1_ms``), verifying a tree of each budget's
     size (``verify_ms[n]``, n draft nodes + root), and drafting a tree of each budget (``draft_ms[n]``,
@@ -64,7 +64,7 @@ def measure_costs(target: TargetModel, budgets: list[int], drafter: BlockDrafter
         verify_ms[n] = median_ms(lambda: target.verify(tokens, parents, return_hidden=drafter is not None), reps)
         if drafter is not None:
             draft_ms[n] = median_ms(
-                lambda: drafter.propose(root, target.past_len, target.max_context, width).tree(n), reps)
+                lambda: drafter.propose(root, target.past_len, target.max_context, width, max_nodes=n).tree(n), reps)
     target.reset()
     return {"context": context, "reps": reps, "c1_ms": c1, "verify_ms": verify_ms,
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
@@ -109,7 +109,7 @@ class CostCurve:
 COST_BUDGETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 
-def cached_costs(target: TargetModel, drafter: BlockDrafter, cache_dir: str | Path, budgets=COST_BUDGETS,
+def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path, budgets=COST_BUDGETS,
                  context: int = 256, reps: int = 5, width: int = 7) -> dict:
     """:func:`measure_costs` once per machine, model, dtype, thread count and head shape; later
     calls read ``cache_dir/<key>.json`` (a damaged file is measured again)."""
@@ -119,8 +119,10 @@ def cached_costs(target: TargetModel, drafter: BlockDrafter, cache_dir: str | Pa
     c = drafter.head.config
     key = {"target": target.name, "kind": c.kind, "width": width, "device": str(target.device), "dtype": str(target.dtype),
            "threads": torch.get_num_threads(), "cpu": cpu_name(), "layers": c.num_hidden_layers,
-           "block_size": c.block_size, "draft_vocab": len(drafter.draft_ids) if drafter.draft_ids is not None else None,
-           "budgets": list(budgets), "context": context}
+           "block_size": c.block_size, "draft_vocab": c.draft_vocab_size if c.reduced_vocab else None,
+           "budgets": list(budgets), "context": context, "backend": target.backend,
+           "backend_threads": getattr(target, "n_threads", None), "int8": getattr(drafter, "int8", False),
+           "attention": c.attention}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"costs-{digest}.json"
     if path.is_file():

@@ -18,9 +18,9 @@ import heapq
 
 import torch
 
+from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import check_compatible
 from jetflow.models.eagle_head import EagleHead
-from jetflow.models.target import TargetModel
 from jetflow.tree.build import DraftTree
 
 
@@ -35,13 +35,13 @@ class RankedProposal:
 
 
 class EagleDrafter:
-    def __init__(self, head: EagleHead, target: TargetModel):
+    def __init__(self, head: EagleHead, target: TargetBackend):
         check_compatible(head.config, target)
         target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.eval().requires_grad_(False)
         self.target = target
-        self.embed = target.model.get_input_embeddings()
-        self.lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
+        self.embed = target.embed
+        self.lm_weight = head.output_weight(target.lm_head_weight())
         self.draft_ids = head.draft_ids
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size  # deepest level + 1, as for the block heads
@@ -92,12 +92,12 @@ class EagleDrafter:
         self.kv_len = upto
 
     @torch.inference_mode()
-    def propose(self, anchor: int, position: int, room: int, width: int) -> RankedProposal:
+    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> RankedProposal:
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
         head, device = self.head, self.head.fc.weight.device
         self._cache_context(position)
-        depth_limit = min(head.max_depth, room)
+        depth_limit = min(head.max_depth, room, max_nodes if max_nodes is not None else room)
         # Node arrays; node 0 is the anchor. KV of expanded nodes, in expansion order.
         tokens, parents, depths, scores = [anchor], [-1], [0], [0.0]
         states: dict[int, torch.Tensor] = {}

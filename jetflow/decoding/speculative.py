@@ -10,20 +10,19 @@ import time
 from collections.abc import Iterator
 
 from jetflow.decoding.acceptance import accept_path
-from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.decoding.budget import AdaptiveBudget
-from jetflow.decoding.eagle_drafter import EagleDrafter
+from jetflow.decoding.drafter import Drafter
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
 from jetflow.decoding.stats import SpeculativeStats
+from jetflow.models.backend import TargetBackend
 from jetflow.tree.build import DraftTree
-from jetflow.models.target import TargetModel
 
 
 def speculative_stream(
-    target: TargetModel,
-    drafter: BlockDrafter | EagleDrafter,
+    target: TargetBackend,
+    drafter: Drafter,
     prompt_ids: list[int],
     params: SamplingParams,
     output: OutputStream,
@@ -54,12 +53,13 @@ def speculative_stream(
             tree = DraftTree.root_only(root)  # drafting does not pay now: a plain decoding step
         else:
             with stats.timed("draft"):
-                proposal = drafter.propose(root, target.past_len, room, width)
+                proposal = drafter.propose(root, target.past_len, room, width,
+                                           max_nodes=budget if adaptive is None else adaptive.draft_nodes())
             with stats.timed("tree"):
                 if adaptive is None:
                     tree = proposal.tree(budget)
                 else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
-                    tree = proposal.tree(adaptive.max_budget)
+                    tree = proposal.tree(adaptive.draft_nodes())
                     tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)

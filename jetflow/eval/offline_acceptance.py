@@ -23,11 +23,12 @@ import torch
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import draft_logprobs
 from jetflow.errors import JetFlowError
+from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
+from jetflow.training.block_objective import block_context, blocks_forward
 from jetflow.training.blocks import make_blocks, sample_anchors
-from jetflow.training.trainer import block_context, blocks_forward
 from jetflow.tree.build import DraftTree, build_tree
 
 
@@ -152,8 +153,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     if not budgets or min(budgets) < 1:
         raise JetFlowError(f"budgets must be >= 1, got {budgets}")
     head = head.eval()
-    embed = target.model.get_input_embeddings()
-    lm_weight = head.output_weight(target.model.get_output_embeddings().weight)
+    embed = target.embed
+    lm_weight = head.output_weight(target.lm_head_weight())
     draft_index = None if head.draft_ids is None else target_to_draft_index(head.draft_ids.cpu(), target.vocab_size)
     budgets = sorted(budgets)
     walk = anchors is None and anchors_per_seq == 0
@@ -210,7 +211,7 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
 
     sequences = load_sequences(data_dir, target)
     start, end = parse_range(seq_range, len(sequences))
-    heads = {path: DraftHead.from_pretrained(path, target=target, device=target.device, dtype=torch.float32)
+    heads = {path: load_drafter(path, target=target, device=target.device, dtype=torch.float32)
              for path in drafters}
     results = {}
     for path, head in heads.items():

@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetflow.errors import JetFlowError
-from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.backend import TargetBackend
+from jetflow.models.checkpoint import load_drafter
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig, check_compatible
 from jetflow.utils.fs import replace_directory
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -121,21 +123,20 @@ def validate(cfg: dict, state: dict[str, torch.Tensor]) -> None:
 def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, target=None) -> Path:
     """Write ``out`` (config.json + model.safetensors) for ``vllm serve --speculative-config
     '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size - 1}'``. ``target`` (a
-    TargetModel or model spec; default: the one named in the head's config) is loaded only for a
+    loaded target or a model spec; default: the one named in the head's config) is loaded only for a
     reduced-vocabulary head, whose LM-head rows the export must carry."""
-    head = DraftHead.from_pretrained(drafter, dtype=torch.float32)
+    head = load_drafter(drafter, dtype=torch.float32)
     reasons = unsupported(head.config)
     if reasons:
         raise JetFlowError(f"{drafter} cannot be exported to vLLM's DFlash format: " + "; ".join(reasons))
     lm_head = None
     if head.config.reduced_vocab:
-        from jetflow.models.draft_head import check_compatible
         from jetflow.models.target import TargetModel
 
-        if not isinstance(target, TargetModel):
+        if not isinstance(target, TargetBackend):
             target = TargetModel.load(target or head.config.target.get("name"))
         check_compatible(head.config, target)
-        lm_head = target.model.get_output_embeddings().weight
+        lm_head = target.lm_head_weight()
     cfg = vllm_config(head.config, dtype)
     state = vllm_state_dict(head, dtype, lm_head)
     validate(cfg, state)
@@ -144,3 +145,9 @@ def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     validate(json.loads((Path(out) / "config.json").read_text()), load_file(Path(out) / "model.safetensors"))
     return Path(out)
+
+
+def speculative_config(export_dir: str | Path) -> dict:
+    """vLLM's ``--speculative-config`` for an export: chain drafts of every depth the block holds."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return {"method": "dflash", "model": str(export_dir), "num_speculative_tokens": cfg["block_size"] - 1}

@@ -84,23 +84,22 @@ class DraftHeadConfig:
                    feed_last_feature: bool = False, depth_embedding: bool = False,
                    kind: str = "block") -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
-        c = target.config
-        heads = c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
+        shape = target.shape()
         return cls(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            vocab_size=c.vocab_size,
-            mask_token_id=choose_mask_token_id(target.tokenizer, c.vocab_size) if mask_token_id is None else mask_token_id,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size,
+            mask_token_id=(choose_mask_token_id(target.tokenizer, shape.vocab_size) if mask_token_id is None
+                           else mask_token_id),
             target_layer_ids=list(target.tapped_layers),
             num_hidden_layers=num_hidden_layers,
             block_size=block_size,
             attention=attention,
-            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            rms_norm_eps=shape.rms_norm_eps,
+            rope_theta=shape.rope_theta,
             max_position_embeddings=target.max_context,
             draft_vocab_size=draft_vocab_size,
             feed_last_feature=feed_last_feature,
@@ -146,7 +145,11 @@ def choose_mask_token_id(tokenizer, vocab_size: int) -> int:
 
 
 class DraftHead(nn.Module):
+    kind = "block"  # the DraftHeadConfig.kind this class implements
+
     def __init__(self, config: DraftHeadConfig):
+        if config.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs a config with kind={self.kind!r}, got {config.kind!r}")
         super().__init__()
         self.config = c = config
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
@@ -230,7 +233,9 @@ class DraftHead(nn.Module):
             if last_feature is None:
                 raise ValueError("this head reads the last context feature: pass last_feature")
             # Every slot starts from (anchor token, target state before it), EAGLE's input pair.
-            blocks = x.unflatten(-2, (-1, self.config.block_size))
+            # Whole blocks (training), or one block cut after its first Q slots (a causal head at
+            # inference drafts only the depths a tree of the round's budget can reach).
+            blocks = x.unflatten(-2, (-1, min(self.config.block_size, x.shape[-2])))
             x = (blocks + blocks[..., :1, :]).flatten(-3, -2) + last_feature.to(x.dtype)
         if self.depth_embed is not None:  # slots are laid out block after block, depth 0..B-1 in each
             depth = torch.arange(x.shape[-2], device=x.device) % self.config.block_size
@@ -261,19 +266,21 @@ class DraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target=None, device=None, dtype: torch.dtype | None = None) -> "DraftHead":
-        """Load a checkpoint dir (a block head, or an EAGLE-3-style head as :class:`EagleHead`); with
-        ``target``, refuse one built for a different target."""
-        path = Path(path)
-        cfg_file, weights = path / "config.json", path / "model.safetensors"
-        if not cfg_file.is_file() or not weights.is_file():
-            raise DrafterMismatchError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
-        try:
-            config = DraftHeadConfig.from_json(json.loads(cfg_file.read_text()))
-        except (KeyError, TypeError, ValueError) as e:
-            raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
+        """Load a checkpoint dir of this head's kind; with ``target``, refuse one built for a different
+        target. A checkpoint of either kind loads with :func:`jetflow.models.checkpoint.load_drafter`."""
+        return cls.load(path, read_config(path), target, device, dtype)
+
+    @classmethod
+    def load(cls, path: str | Path, config: DraftHeadConfig, target=None, device=None,
+             dtype: torch.dtype | None = None) -> "DraftHead":
+        """The weights of checkpoint ``path`` into a new head of ``config`` (read by :func:`read_config`)."""
+        if config.kind != cls.kind:
+            raise DrafterMismatchError(f"{path} holds a {config.kind!r} head, not a {cls.kind!r} one "
+                                       "(load it with jetflow.models.checkpoint.load_drafter)")
         if target is not None:
             check_compatible(config, target)
-        head = head_class(config.kind)(config)
+        head = cls(config)
+        weights = Path(path) / "model.safetensors"
         state = load_file(weights)
         state.setdefault("feature_scale", head.feature_scale)  # checkpoints from before the scale existed
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -284,12 +291,16 @@ class DraftHead(nn.Module):
         return head
 
 
-def head_class(kind: str) -> type[DraftHead]:
-    if kind == "eagle3":
-        from jetflow.models.eagle_head import EagleHead
-
-        return EagleHead
-    return DraftHead
+def read_config(path: str | Path) -> DraftHeadConfig:
+    """The config of drafter checkpoint dir ``path``, checked to be one (config.json + model.safetensors)."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise DrafterMismatchError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
+    try:
+        return DraftHeadConfig.from_json(json.loads(cfg_file.read_text()))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
 
 
 def check_compatible(config: DraftHeadConfig, target) -> None:

@@ -24,9 +24,9 @@ from jetflow.models.layers import RMSNorm
 
 
 class EagleHead(DraftHead):
+    kind = "eagle3"
+
     def __init__(self, config: DraftHeadConfig):
-        if config.kind != "eagle3":
-            raise ValueError("EagleHead needs a config with kind='eagle3'")
         super().__init__(config)
         h = config.hidden_size
         self.embed_norm = RMSNorm(h, config.rms_norm_eps)

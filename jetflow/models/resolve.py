@@ -82,7 +82,26 @@ def resolve_model(spec: str | os.PathLike | None = None) -> ResolvedModel:
     )
 
 
+def locate_gguf(spec: str | os.PathLike | None = None) -> tuple[Path, str] | None:
+    """(GGUF file, model name) when ``spec`` names one (a known short name or a ``.gguf`` path),
+    without converting anything; None for Hugging Face directories and hub ids."""
+    spec = str(spec) if spec is not None else DEFAULT_TARGET
+    key = spec.strip().lower()
+    if key in KNOWN_MODELS:
+        return _packaged_gguf(key, KNOWN_MODELS[key]), key
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelResolutionError(f"GGUF file not found: {path}")
+        return path.resolve(), path.stem
+    return None
+
+
 def _resolve_known(name: str, entry: PackagedGGUF) -> ResolvedModel:
+    return ResolvedModel(convert_gguf(_packaged_gguf(name, entry), name=name), name, "short-name")
+
+
+def _packaged_gguf(name: str, entry: PackagedGGUF) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is None or spec.origin is None:
         raise ModelResolutionError(
@@ -92,7 +111,7 @@ def _resolve_known(name: str, entry: PackagedGGUF) -> ResolvedModel:
     gguf = Path(spec.origin).parent / entry.filename
     if not gguf.is_file():
         raise ModelResolutionError(f"package {entry.package!r} is installed but {gguf} is missing; reinstall it")
-    return ResolvedModel(convert_gguf(gguf, name=name), name, "short-name")
+    return gguf
 
 
 def _file_digest(path: Path) -> str:

@@ -13,22 +13,17 @@ after them; ``commit`` keeps one root-to-node path of those nodes and drops the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from jetflow.decoding.prompt import stop_token_ids
 from jetflow.errors import InvalidRequestError
+from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.resolve import ResolvedModel, resolve_model
 from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
-
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor  # [N, vocab] float32
-    hidden: torch.Tensor | None  # [N, len(tapped_layers) * hidden_size], tapped layers concatenated
 
 
 def default_tapped_layers(num_layers: int, count: int = 5) -> list[int]:
@@ -46,6 +41,10 @@ def default_tapped_layers(num_layers: int, count: int = 5) -> list[int]:
 
 
 class TargetModel:
+    """The transformers implementation of :class:`jetflow.models.backend.TargetBackend`."""
+
+    backend = "torch"
+
     def __init__(
         self,
         model: nn.Module,
@@ -113,7 +112,29 @@ class TargetModel:
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
+            "backend": self.backend,
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
+
+    def shape(self) -> TargetShape:
+        c = self.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        return TargetShape(
+            model_type=c.model_type, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+            num_hidden_layers=self.num_layers, rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+
+    def stop_token_ids(self) -> set[int]:
+        return stop_token_ids(self.tokenizer, self.model.generation_config)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids.to(self.device))
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -225,6 +246,46 @@ class TargetModel:
         taps, hidden = self.features_and_hidden(ids[None])
         return taps[0], self.logits(hidden[0, logit_positions.to(self.device)])
 
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                       generator: torch.Generator | None = None) -> list[list[int]]:
+        """Answers (token ids, the stop token included when produced) for a batch of prompt ids,
+        without the decoder's cache (regeneration of training data). Prompts are left-padded; rows
+        that finish are dropped from the batch and its cache, so the batch only pays for live rows."""
+        model, device = self.model, self.device
+        eos = sorted(self.stop_token_ids())
+        pad = eos[0] if eos else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = PreallocatedCache(capacity=width + max_new_tokens)
+        rows = list(range(len(prompts)))  # original index of each live batch row
+        answers: list[list[int]] = [[] for _ in prompts]
+        eos_t = torch.tensor(eos, device=device)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                       logits_to_keep=1).logits[:, -1]
+        for step in range(max_new_tokens):
+            if temperature > 0:
+                nxt = torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            done = torch.isin(nxt, eos_t) | (step + 1 == max_new_tokens)
+            for r, t in zip(rows, nxt.tolist()):
+                answers[r].append(t)
+            if bool(done.all()):
+                break
+            keep = (~done).nonzero().flatten()
+            if keep.numel() < len(rows):  # drop finished rows from the batch and the cache
+                rows = [rows[i] for i in keep.tolist()]
+                nxt, mask, positions = nxt[keep], mask[keep], positions[keep]
+                cache.select_rows(keep)
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
+                           cache=cache).logits[:, -1]
+        return answers
+
     def _forward(self, ids: torch.Tensor, parents: list[int] | None, last_logits_only: bool, return_hidden: bool):
         n = ids.numel()
         if parents is None or is_chain(parents):
@@ -270,14 +331,8 @@ class TargetModel:
 
         Afterwards the cache is exactly what a plain causal forward over the accepted tokens gives.
         """
-        nodes = [int(i) for i in nodes]
         parents = self._pending_parents
-        for k, node in enumerate(nodes):
-            if not 0 <= node < len(parents):
-                raise ValueError(f"node {node} is not a pending tree node (tree has {len(parents)} nodes)")
-            expected = nodes[k - 1] if k else -1
-            if parents[node] != expected:
-                raise ValueError(f"nodes {nodes} are not a root-to-node path: parent of {node} is {parents[node]}")
+        nodes = check_path(nodes, parents)
         keep = len(nodes)
         self._pending_tokens = [self._pending_tokens[i] for i in nodes]
         if nodes != list(range(keep)):
@@ -307,6 +362,6 @@ class TargetModel:
     def extend(self, tokens: Sequence[int] | torch.Tensor, return_hidden: bool = False) -> TargetOutput:
         """Append committed tokens (a chain) and return the logits of each."""
         ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
-        out = self.verify(ids, list(range(-1, ids.numel() - 1)), return_hidden=return_hidden)
+        out = self.verify(ids, chain_parents(ids.numel()), return_hidden=return_hidden)
         self.commit(range(ids.numel()))
         return out

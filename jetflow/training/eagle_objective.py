@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from jetflow.models.eagle_head import EagleHead
+from jetflow.training.blocks import sample_anchors
+from jetflow.training.losses import block_loss
 
 
 def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, steps: int,
@@ -54,13 +56,12 @@ def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, st
     return outs
 
 
-def eagle_sequence_loss(trainer, index: int, steps: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+def eagle_sequence_loss(trainer, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
     """Loss and per-step agreement of one sequence (the EAGLE counterpart of the block loss): the
-    chains of ``anchors_per_seq`` random answer positions, unrolled ``steps`` deep."""
-    from jetflow.training.blocks import sample_anchors
-    from jetflow.training.losses import block_loss
-
+    chains of ``anchors_per_seq`` random answer positions, unrolled ``ttt_steps`` deep (default: the
+    head's deepest level)."""
     c, head, device = trainer.config, trainer.head, trainer.target.device
+    steps = c.ttt_steps or head.max_depth
     seq = trainer.sequences[index]
     tokens = torch.tensor(seq.token_ids)
     length, start = len(tokens), seq.prompt_len

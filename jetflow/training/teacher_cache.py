@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
-from jetflow.utils.fs import write_json_atomic
+from jetflow.models.identity import model_identity
 from jetflow.models.target import TargetModel
+from jetflow.utils.fs import write_json_atomic
 
 FORMAT = "jetflow-teacher-cache/1"
 
@@ -82,7 +83,7 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
     if not 1 <= top_k <= target.vocab_size:
         raise JetFlowError(f"top_k must be in [1, {target.vocab_size}], got {top_k}")
     parts = [sequences[i:i + sequences_per_part] for i in range(0, len(sequences), sequences_per_part)]
-    settings = {"format": FORMAT, "target": target.identity(), "tapped_layers": list(target.tapped_layers),
+    settings = {"format": FORMAT, "target": model_identity(target), "tapped_layers": list(target.tapped_layers),
                 "top_k": top_k, "sequences_per_part": sequences_per_part, "source": source}
     manifest_path = out / "manifest.json"
     manifest = {**settings, "parts": {}, "wall_seconds": 0.0}
@@ -143,7 +144,7 @@ class TeacherCache:
                  tapped_layers: list[int]):
         self.dir = Path(cache_dir)
         m = self.read_manifest(self.dir)
-        if m["target"] != target.identity():
+        if m["target"] != model_identity(target):
             raise JetFlowError(f"teacher cache {self.dir} was built with target {m['target'].get('name')!r}, "
                                f"training uses {target.name!r}")
         if list(m["tapped_layers"]) != list(tapped_layers):

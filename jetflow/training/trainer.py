@@ -21,17 +21,20 @@ import torch.distributed as dist
 
 from jetflow.data.shards import Sequence, list_shards, read_shard
 from jetflow.errors import JetFlowError
-from jetflow.decoding.prompt import stop_token_ids
-from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig, head_class
+from jetflow.models.checkpoint import new_head
+from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig
 from jetflow.models.draft_vocab import select_draft_vocab, target_to_draft_index, token_counts
 from jetflow.models.target import TargetModel
-from jetflow.training.blocks import BlockBatch, make_blocks, sample_anchors, training_mask
+from jetflow.training.block_objective import block_sequence_loss
 from jetflow.training.eagle_objective import eagle_sequence_loss
-from jetflow.training.losses import LOSSES, block_loss
+from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
 from jetflow.training.teacher_cache import TeacherCache
 from jetflow.utils.fs import replace_directory
+
+# Head kind -> loss of one sequence (the block head drafts all depths at once; the EAGLE head is unrolled).
+OBJECTIVES = {"block": block_sequence_loss, "eagle3": eagle_sequence_loss}
 
 
 @dataclass
@@ -78,8 +81,9 @@ class TrainConfig:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
 
-def load_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
-    """All sequences of a regeneration directory, checked against the target."""
+def load_sequences(data_dir: Path, target: TargetModel, max_sequences: int | None = None) -> list[Sequence]:
+    """All sequences of a regeneration directory (the first ``max_sequences`` in shard order, for
+    learning curves over data size), checked against the target."""
     data_dir = Path(data_dir)
     manifest_file = data_dir / "manifest.json"
     if not manifest_file.is_file():
@@ -100,28 +104,11 @@ def load_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
                            f"e.g. {too_long[0]}")
     if max(max(s.token_ids) for s in sequences) >= target.vocab_size:
         raise JetFlowError(f"{data_dir} holds token ids outside the target's vocabulary")
-    return sequences
-
-
-def block_context(head: DraftHead, features: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """Fused features [T, H] of a sequence and the head's context keys/values over them."""
-    fused = head.fuse(features)
-    return fused, head.context_kv(fused, torch.arange(features.shape[0], device=features.device))
-
-
-def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: BlockBatch,
-                   context: tuple[torch.Tensor, list] | None = None) -> torch.Tensor:
-    """Hidden states [K*B, H] of all blocks of one sequence in one head forward: the training-time
-    equivalent of the decoder drafting from each anchor (tested to be exactly that). ``context``:
-    :func:`block_context` of ``features``, when several calls share it."""
-    device = features.device
-    fused, ctx = context or block_context(head, features)
-    mask = training_mask(blocks.anchors, features.shape[0], head.config.block_size,
-                         head.config.attention == "causal").to(device)
-    with torch.no_grad():
-        embeds = embed(blocks.block_ids.to(device))
-    last = fused[(blocks.anchors - 1).repeat_interleave(head.config.block_size).to(device)]  # before each anchor
-    return head(embeds, blocks.positions.to(device), ctx, mask, last)
+    if max_sequences is None:
+        return sequences
+    if max_sequences > len(sequences):
+        raise JetFlowError(f"--max-sequences {max_sequences}: {data_dir} holds only {len(sequences)}")
+    return sequences[:max_sequences]
 
 
 class Trainer:
@@ -138,16 +125,16 @@ class Trainer:
         fresh_head = head is None
         if head is None:
             vocab = config.draft_vocab if 0 < config.draft_vocab < target.vocab_size else None
-            head = head_class(config.head)(DraftHeadConfig.for_target(
+            head = new_head(DraftHeadConfig.for_target(
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
                 depth_embedding=config.depth_embedding, kind=config.head))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
-                required = stop_token_ids(target.tokenizer, target.model.generation_config)
+                required = target.stop_token_ids()
                 head.set_draft_vocab(select_draft_vocab(counts, vocab, required))
         self.head = head.to(target.device).train()
-        self.embed = target.model.get_input_embeddings()
+        self.embed = target.embed
         self.teacher_cache = teacher_cache
         self._bind_vocab()
         if fresh_head:
@@ -162,7 +149,7 @@ class Trainer:
     def _bind_vocab(self) -> None:
         """LM-head slice, label mapping and teacher for the head's (possibly reduced) vocabulary."""
         target, draft_ids = self.target, self.head.draft_ids
-        self.lm_weight = self.head.output_weight(target.model.get_output_embeddings().weight).detach()
+        self.lm_weight = self.head.output_weight(target.lm_head_weight()).detach()
         self.label_index = None if draft_ids is None else target_to_draft_index(draft_ids.cpu(), target.vocab_size)
         if self.teacher_cache is None:
             self.teacher = OnlineTeacher(target, draft_ids)
@@ -195,24 +182,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one sequence
     def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        if self.head.config.kind == "eagle3":  # unrolled on its own states over the whole sequence
-            return eagle_sequence_loss(self, index, self.config.ttt_steps or self.head.max_depth, generator)
-        c, head, device = self.config, self.head, self.target.device
-        seq = self.sequences[index]
-        tokens = torch.tensor(seq.token_ids)
-        anchors = sample_anchors(seq.prompt_len, len(tokens), c.anchors_per_seq, generator)
-        blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id)
-        labels = blocks.labels if self.label_index is None else self.label_index[blocks.labels]
-        usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
-        sel = usable.nonzero().flatten()
-        features, teacher = self.teacher.fetch(index, seq, blocks.teacher_index[sel])
-        hidden = blocks_forward(head, self.embed, features, blocks)
-        logits = hidden[sel.to(device)].to(self.lm_weight.dtype) @ self.lm_weight.T
-        ones = torch.ones(len(sel), dtype=torch.bool, device=device)
-        loss = block_loss(logits, teacher, labels[sel].to(device), ones, blocks.depth[sel].to(device),
-                          c.loss, c.kl_temperature, c.gamma)
-        agree = (logits.argmax(-1) == teacher.argmax(-1)).float()
-        return loss, {"depth": blocks.depth[sel], "agree": agree.detach().cpu()}
+        return OBJECTIVES[self.head.kind](self, index, generator)
 
     def train_step(self) -> float:
         c = self.config
@@ -273,7 +243,7 @@ class Trainer:
         state = torch.load(state_file, weights_only=False)
         if {**asdict(TrainConfig()), **state["config"]} != asdict(self.config):  # older runs lack newer fields
             raise JetFlowError(f"{self.out} was trained with other settings; resume with the same arguments")
-        loaded = DraftHead.from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
+        loaded = type(self.head).from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
         self.head.load_state_dict(loaded.state_dict())
         self._bind_vocab()
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,60 @@
+"""Prompt lookup: a drafter without a model. The last n tokens (anchor included) are looked up in
+everything committed so far (prompt and output); the tokens that followed their most recent earlier
+occurrence are proposed as a chain. Longer n-grams are tried first. It runs on any target backend
+through the same tree verifier, so it is the model-free baseline on llama.cpp too."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from jetflow.tree.build import DraftTree
+
+MAX_NGRAM = 3
+MAX_DRAFT = 10  # transformers' prompt_lookup_num_tokens default
+
+
+class ChainProposal:
+    def __init__(self, root: int, draft: list[int]):
+        self.root, self.draft = root, draft
+
+    def tree(self, budget: int) -> DraftTree:
+        tokens = [self.root] + self.draft[:budget]
+        n = len(tokens)
+        return DraftTree(tokens, list(range(-1, n - 1)), list(range(n)), [0.0] * n)
+
+
+def lookup_continuation(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    n_hist = history.size
+    for n in range(min(max_ngram, n_hist - 1), 0, -1):
+        suffix = history[n_hist - n:]
+        # windows[i] = history[i:i+n]; a match must end before the suffix itself starts
+        windows = np.lib.stride_tricks.sliding_window_view(history[:n_hist - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return history[start:start + max_draft].tolist()
+    return []
+
+
+class LookupDrafter:
+    """The :class:`jetflow.decoding.drafter.Drafter` interface over the target's committed tokens."""
+
+    head = None
+    block_size = MAX_DRAFT + 1
+
+    def __init__(self, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
+        self.target, self.max_ngram, self.max_draft = target, max_ngram, max_draft
+        self.block_size = max_draft + 1
+
+    def reset(self) -> None:
+        pass
+
+    def extend(self, features: torch.Tensor | None) -> None:
+        pass  # reads the target's committed tokens directly
+
+    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> ChainProposal:
+        history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
+        draft = lookup_continuation(history, self.max_ngram, min(self.max_draft, room))
+        return ChainProposal(int(anchor), draft)

@@ -1,0 +1,65 @@
+"""``jetflow bench`` end to end: the heads its methods need, every run (eval/harness.py), the cost
+model, and the written summary (summary.json, summary.md, plots)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jetflow.decoding.costs import measure_costs
+from jetflow.errors import JetFlowError
+from jetflow.eval.datasets import EvalPrompt
+from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark, typical_context
+from jetflow.eval.machine import machine
+from jetflow.eval.methods import MethodRunner, MethodSpec
+from jetflow.eval.report import markdown, plots
+from jetflow.models.checkpoint import load_drafter
+from jetflow.models.shipped import shipped_drafter
+from jetflow.models.target import TargetModel
+from jetflow.utils.fs import write_json_atomic
+
+
+def run_bench(target: TargetModel, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
+              budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
+              max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
+              repeats: int = 1, cost_model: bool = True) -> tuple[dict, int]:
+    """Run ``methods`` on ``datasets`` at ``budgets`` into ``out`` (runs already there are reused).
+    ``drafters``: checkpoint per head kind ("causal" may be "auto": the shipped one); only the kinds
+    some method needs are loaded. Returns the summary line (out dir, run count, plot names) and the
+    number of outputs that differ from ar's (each reported on stderr)."""
+    paths = dict(drafters)
+    if paths.get("causal") == "auto":
+        paths["causal"] = shipped_drafter(target.name)
+    heads = {}
+    for kind, path in paths.items():
+        if path is None or not any(m.head == kind for m in methods):
+            continue
+        if not Path(path).is_dir():
+            raise JetFlowError(f"drafter checkpoint directory not found: {path}")
+        heads[kind] = load_drafter(path, target=target, device=target.device)
+    runner = MethodRunner(target, heads, width=width)
+    for spec in methods:
+        runner.check(spec)
+    settings = BenchSettings(target=target.name, drafters={k: str(v) for k, v in paths.items() if k in heads},
+                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
+                             width=width, repeats=repeats)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = run_benchmark(runner, methods, datasets, budgets, settings, out)
+    costs, block = None, None
+    if cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
+        drafters_used = {kind: d.drafter for kind, d in runner.decoders.items()}
+        block = next((d.block_size for k, d in drafters_used.items() if k != "eagle3"), None)
+        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()))
+        context = typical_context(runs)
+        costs = measure_costs(target, sizes, None, context=context)
+        costs["draft_ms"] = {kind: measure_costs(target, sizes, d, context=context, width=width)["draft_ms"]
+                             for kind, d in drafters_used.items()}
+        for d in drafters_used.values():
+            d.reset()
+    info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
+            "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
+    write_json_atomic(out / "summary.json", info)
+    (out / "summary.md").write_text(markdown(runs, info["machine"], settings.key(), costs, block))
+    written = plots(runs, out)
+    summary = {"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}
+    return summary, report_mismatches(runs, temperature == 0)

@@ -1,0 +1,377 @@
+"""The target run by llama.cpp from its GGUF file as is (the engine CPU users already run).
+
+Tree verification is ONE ``llama_decode``: every root-to-leaf path of the draft tree gets its own
+sequence id, and each node carries the ids of every path through it (llama.cpp's unified KV cache
+lets a cell belong to many sequences). llama.cpp masks a token against the cells holding its
+*first* sequence id with position <= its own, so with the prefix copied to every path id, node i
+sees the prefix, its ancestors and itself, at position past_len + depth(i) -- the tree mask.
+Commit keeps the accepted path's cells as sequence 0 and frees the rest.
+
+Tapped features come from llama.cpp's layer-input taps (``llama_set_embeddings_layer_inp``, C++
+linkage in ``src/llama-ext.h``): the input of layer l equals transformers' ``hidden_states[l]``, so
+the output of decoder layer t is tap t + 1. One row per batch token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jetflow.errors import InvalidRequestError, JetFlowError
+from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
+from jetflow.tree.mask import check_parents, tree_depths
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
+DEFAULT_BATCH = 512  # prefill chunk and the largest tree one decode takes (as llama-cpp-python's Llama)
+
+
+class LlamaCppError(JetFlowError):
+    """llama.cpp (or its Python binding) is missing, lacks a needed symbol, or refused a batch."""
+
+
+def _import_binding():
+    try:
+        import llama_cpp  # noqa: F401
+        from llama_cpp import llama_cpp as lib
+    except ImportError as e:
+        raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python (`make setup` builds it): {e}") from None
+    return lib
+
+
+# C++-linkage functions of src/llama-ext.h: bound by their (Itanium) mangled names.
+_EXT_SYMBOLS = {
+    "set_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb", None,
+                      [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]),
+    "get_layer_inp": ("_Z30llama_get_embeddings_layer_inpP13llama_contextj", ctypes.POINTER(ctypes.c_float),
+                      [ctypes.c_void_p, ctypes.c_uint32]),
+}
+
+
+def _bind_ext(lib) -> dict:
+    shared = lib._lib
+    out = {}
+    for key, (symbol, restype, argtypes) in _EXT_SYMBOLS.items():
+        try:
+            fn = getattr(shared, symbol)
+        except AttributeError:
+            raise LlamaCppError(f"this llama.cpp build does not export {symbol} ({key}); JetFlow needs "
+                                "llama-cpp-python 0.3.36 or a build with src/llama-ext.h") from None
+        fn.restype, fn.argtypes = restype, argtypes
+        out[key] = fn
+    return out
+
+
+class _Batch:
+    """A ``llama_batch`` over numpy arrays we own (filled with vector ops, not per-element ctypes)."""
+
+    def __init__(self, lib, capacity: int, max_seqs: int):
+        self.capacity, self.max_seqs = capacity, max_seqs
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.zeros(capacity, np.int32)
+        self.seq_ids = np.zeros((capacity, max_seqs), np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        row = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq_ids.ctypes.data
+        self._rows = (row * capacity)(*[ctypes.cast(base + i * max_seqs * 4, row) for i in range(capacity)])
+        self.struct = lib.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            embd=None,
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self._rows,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def chain(self, tokens: np.ndarray, start_pos: int, all_logits: bool) -> None:
+        n = len(tokens)
+        self.token[:n] = tokens
+        self.pos[:n] = np.arange(start_pos, start_pos + n)
+        self.n_seq_id[:n] = 1
+        self.seq_ids[:n, 0] = 0
+        self.logits[:n] = 1 if all_logits else 0
+        self.logits[n - 1] = 1
+        self.struct.n_tokens = n
+
+    def tree(self, tokens: np.ndarray, positions: np.ndarray, membership: np.ndarray) -> None:
+        """membership [N, L]: node i lies on the path to leaf k (sequence id k)."""
+        n = len(tokens)
+        self.token[:n] = tokens
+        self.pos[:n] = positions
+        self.n_seq_id[:n] = membership.sum(1)
+        self.seq_ids[:n] = 0
+        rows, cols = np.nonzero(membership)  # row-major: each node's ids in ascending order
+        slot = np.arange(len(rows)) - np.searchsorted(rows, rows)
+        self.seq_ids[rows, slot] = cols
+        self.logits[:n] = 1
+        self.struct.n_tokens = n
+
+
+def path_membership(parents: Sequence[int]) -> np.ndarray:
+    """[N, L] boolean: node i is on the root-to-leaf path of leaf k (leaves in node order)."""
+    n = len(parents)
+    has_child = np.zeros(n, bool)
+    for p in parents:
+        if p >= 0:
+            has_child[p] = True
+    leaves = np.flatnonzero(~has_child)
+    member = np.zeros((n, len(leaves)), bool)
+    for k, leaf in enumerate(leaves):
+        node = int(leaf)
+        while node >= 0:
+            member[node, k] = True
+            node = parents[node]
+    return member
+
+
+class LlamaCppTarget:
+    """The llama.cpp implementation of :class:`jetflow.models.backend.TargetBackend` (CPU)."""
+
+    backend = "llamacpp"
+
+    def __init__(self, gguf: str | os.PathLike, tokenizer, *, name: str | None = None,
+                 tapped_layers: Sequence[int] | None = None, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_batch: int = DEFAULT_BATCH, flash_attn: bool = False):
+        from jetflow.models.gguf_meta import gguf_shape, gguf_output_weights
+
+        self._lib = lib = _import_binding()
+        self._ext = _bind_ext(lib)
+        self.gguf = Path(gguf)
+        self.name = name or self.gguf.stem
+        self.tokenizer = tokenizer
+        lib.llama_backend_init()
+        _silence_logs(lib)
+        mparams = lib.llama_model_default_params()
+        self._model = lib.llama_model_load_from_file(str(self.gguf).encode(), mparams)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {self.gguf}")
+        self.num_layers = int(lib.llama_model_n_layer(self._model))
+        self.hidden_size = int(lib.llama_model_n_embd(self._model))
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+        train_ctx = int(lib.llama_model_n_ctx_train(self._model))
+        self.n_threads = int(n_threads or os.cpu_count() or 1)
+        self.n_batch = int(n_batch)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx
+        cparams.n_batch = cparams.n_ubatch = self.n_batch  # a whole tree runs as one graph
+        cparams.n_seq_max = MAX_SEQ
+        cparams.kv_unified = True  # one KV buffer whose cells can belong to several paths
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.gguf} (n_ctx={cparams.n_ctx})")
+        self.max_context = int(lib.llama_n_ctx(self._ctx))
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._batch = _Batch(lib, self.n_batch, MAX_SEQ)
+        self._shape = gguf_shape(self.gguf, self.vocab_size)
+        self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
+        self._taps_enabled: set[int] = set()
+        self._stop_ids = self._eog_ids()
+        self.tapped_layers: tuple[int, ...] = ()
+        from jetflow.models.target import default_tapped_layers
+
+        self.set_tapped_layers(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
+        self.reset()
+
+    # ------------------------------------------------------------------ description
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # logits, features and the shared weights the drafters see
+
+    def shape(self) -> TargetShape:
+        return self._shape
+
+    def identity(self) -> dict:
+        return {"name": self.name, "model_type": self._shape.model_type, "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers, "backend": self.backend,
+                "dtype": _file_type(self.gguf)}
+
+    def stop_token_ids(self) -> set[int]:
+        return set(self._stop_ids)
+
+    def _eog_ids(self) -> set[int]:
+        """llama.cpp's end-of-generation tokens (what its own generate loop stops on), plus the
+        tokenizer's EOS."""
+        eog = {t for t in range(self.vocab_size) if self._lib.llama_vocab_is_eog(self._vocab, t)}
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            eog.add(int(eos))
+        return eog
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids.cpu(), self._embedding)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._lm_head
+
+    def set_tapped_layers(self, layer_ids: Sequence[int]) -> None:
+        taps = tuple(int(t) for t in layer_ids)
+        if taps == self.tapped_layers:
+            return
+        # The last layer's output is the final hidden state, which llama.cpp does not tap.
+        if not taps or any(not 0 <= t < self.num_layers - 1 for t in taps):
+            raise ValueError(f"tapped layers {list(taps)} must be non-empty ids in [0, {self.num_layers - 1}) "
+                             "on the llama.cpp backend")
+        wanted = {t + 1 for t in taps}  # output of layer t = input of layer t+1
+        for lid in self._taps_enabled ^ wanted:
+            self._ext["set_layer_inp"](self._ctx, lid, lid in wanted)
+        self._taps_enabled = wanted
+        self.tapped_layers = taps
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._mem, True)
+        self.past_len = 0
+        self.token_ids: list[int] = []
+        self._pending_tokens: list[int] = []
+        self._pending_parents: list[int] = []
+        self._pending_members: np.ndarray | None = None
+
+    def _decode(self, what: str) -> None:
+        rc = self._lib.llama_decode(self._ctx, self._batch.struct)
+        if rc == 1:
+            raise InvalidRequestError(f"{what}: llama.cpp found no room in its KV cache "
+                                      f"(context of {self.max_context} tokens is full)")
+        if rc != 0:
+            raise LlamaCppError(f"{what}: llama_decode failed with code {rc}")
+
+    def _outputs(self, n_rows: int, n_tokens: int, return_hidden: bool) -> TargetOutput:
+        ptr = self._lib.llama_get_logits(self._ctx)
+        logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_rows, self.vocab_size)).copy())
+        hidden = None
+        if return_hidden:
+            parts = [np.ctypeslib.as_array(self._ext["get_layer_inp"](self._ctx, t + 1),
+                                           shape=(n_tokens, self.hidden_size)) for t in self.tapped_layers]
+            hidden = torch.from_numpy(np.concatenate(parts, axis=1))
+        return TargetOutput(logits, hidden)
+
+    # ------------------------------------------------------------------ forwards
+    def prefill(self, prompt_ids, return_hidden: bool = True) -> TargetOutput:
+        ids = np.asarray(torch.as_tensor(prompt_ids).flatten().tolist(), dtype=np.int32)
+        if ids.size == 0:
+            raise InvalidRequestError("empty prompt: nothing to prefill")
+        if ids.size >= self.max_context:
+            raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
+        self.reset()
+        hidden, out = [], None
+        for start in range(0, ids.size, self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            self._batch.chain(chunk, self.past_len, all_logits=False)
+            self._decode("prefill")
+            out = self._outputs(1, len(chunk), return_hidden)
+            if out.hidden is not None:
+                hidden.append(out.hidden)
+            self.past_len += len(chunk)
+            self.token_ids += chunk.tolist()
+        return TargetOutput(out.logits, torch.cat(hidden) if hidden else None)
+
+    def verify(self, tokens, parents: Sequence[int], return_hidden: bool = True) -> TargetOutput:
+        ids = np.asarray(torch.as_tensor(tokens).flatten().tolist(), dtype=np.int32)
+        parents = [int(p) for p in parents]
+        n = ids.size
+        if n == 0 or n != len(parents):
+            raise ValueError(f"need one parent per token and at least one token (got {n} and {len(parents)})")
+        if n > self.n_batch:
+            raise InvalidRequestError(f"tree of {n} nodes exceeds the llama.cpp batch of {self.n_batch} tokens")
+        check_parents(parents)
+        self._drop_pending()
+        depths = np.asarray(tree_depths(parents), dtype=np.int32)
+        if self.past_len + int(depths.max()) + 1 > self.max_context:
+            raise InvalidRequestError(f"tree would extend past the context of {self.max_context} tokens")
+        if (ids < 0).any() or (ids >= self.vocab_size).any():
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
+        member = path_membership(parents)
+        if member.shape[1] > MAX_SEQ:
+            raise InvalidRequestError(f"tree has {member.shape[1]} leaves; llama.cpp verifies at most {MAX_SEQ} paths")
+        if member.shape[1] == 1:  # a chain: sequence 0 alone
+            self._batch.chain(ids, self.past_len, all_logits=True)
+        else:
+            for k in range(1, member.shape[1]):  # the prefix becomes part of every path
+                self._lib.llama_memory_seq_cp(self._mem, 0, k, -1, -1)
+            self._batch.tree(ids, self.past_len + depths, member)
+        try:
+            self._decode("verify")
+        except Exception:
+            self._pending_parents, self._pending_members = parents, member
+            self._drop_pending()
+            raise
+        self._pending_tokens, self._pending_parents, self._pending_members = ids.tolist(), parents, member
+        return self._outputs(n, n, return_hidden)
+
+    def commit(self, nodes: Sequence[int]) -> None:
+        nodes = check_path(nodes, self._pending_parents)
+        member = self._pending_members
+        keep_end = self.past_len + len(nodes)  # first position past the accepted path
+        if member.shape[1] == 1:
+            self._lib.llama_memory_seq_rm(self._mem, 0, keep_end, -1)
+        else:
+            # A path through the last accepted node (the root's when nothing was accepted).
+            leaf = int(np.flatnonzero(member[nodes[-1] if nodes else 0])[0])
+            self._lib.llama_memory_seq_keep(self._mem, leaf)  # frees every cell not on that path
+            self._lib.llama_memory_seq_rm(self._mem, leaf, keep_end, -1)
+            if leaf != 0:
+                self._lib.llama_memory_seq_cp(self._mem, leaf, 0, -1, -1)
+                self._lib.llama_memory_seq_rm(self._mem, leaf, -1, -1)
+        self.token_ids += [self._pending_tokens[i] for i in nodes]
+        self.past_len = keep_end
+        self._pending_tokens, self._pending_parents, self._pending_members = [], [], None
+
+    def _drop_pending(self) -> None:
+        if self._pending_parents:
+            self.commit([])
+
+    def extend(self, tokens, return_hidden: bool = False) -> TargetOutput:
+        ids = torch.as_tensor(tokens).flatten()
+        out = self.verify(ids, chain_parents(ids.numel()), return_hidden=return_hidden)
+        self.commit(range(ids.numel()))
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_LOG_CALLBACK = None
+
+
+def _silence_logs(lib) -> None:
+    """llama.cpp logs every load to stderr; keep errors only (unless JETFLOW_LLAMA_LOG is set)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is not None or os.environ.get("JETFLOW_LLAMA_LOG"):
+        return
+
+    def log(level, text, _user):
+        if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    _LOG_CALLBACK = lib.llama_log_callback(log)
+    lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+def _file_type(gguf: Path) -> str:
+    from jetflow.models.gguf_meta import gguf_file_type
+
+    return gguf_file_type(gguf)

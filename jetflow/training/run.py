@@ -1,0 +1,49 @@
+"""A training run as ``jetflow train`` starts it: optional warm start, the data, resume or refuse an
+existing run, snapshots at fractions of training, then :meth:`Trainer.fit`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from jetflow.errors import JetFlowError
+from jetflow.models.checkpoint import load_drafter
+from jetflow.models.draft_head import DraftHead
+from jetflow.models.target import TargetModel
+from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
+
+
+def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) -> DraftHead:
+    """An earlier drafter to start from (the optimizer and schedule start fresh); its shape must be
+    the run's, or the run would silently train another head than its arguments say."""
+    head = load_drafter(path, target=target, dtype=torch.float32)
+    c = head.config
+    vocab = c.draft_vocab_size if c.reduced_vocab else 0
+    wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
+              "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
+              "feed-last-feature": (c.feed_last_feature, config.feed_last_feature),
+              "depth-embedding": (c.depth_embedding, config.depth_embedding), "head": (c.kind, config.head)}
+    bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
+    if bad:
+        raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))
+    return head
+
+
+def train_drafter(target: TargetModel, data: str | Path, out: str | Path, config: TrainConfig, *,
+                  init_from: str | Path | None = None, max_sequences: int | None = None,
+                  teacher_cache: str | Path | None = None, resume: bool = False, max_steps: int | None = None,
+                  snapshot_at: tuple[float, ...] = ()) -> dict:
+    """Train a drafter on regeneration dir ``data`` into ``out``; returns :meth:`Trainer.fit`'s summary.
+    An ``out`` holding a run is continued with ``resume`` and refused without (never overwritten);
+    ``snapshot_at``: fractions of the total steps at which a copy of the drafter is kept."""
+    head = warm_start_head(init_from, target, config) if init_from else None
+    sequences = load_sequences(data, target, max_sequences)
+    trainer = Trainer(target, sequences, out, config, head=head, teacher_cache=teacher_cache)
+    if resume and trainer.resume():
+        print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
+    elif (Path(out) / "trainer_state").exists() and not resume:
+        raise JetFlowError(f"{out} already holds a training run; pass --resume or choose another --out")
+    snapshots = tuple(max(1, round(f * trainer.total_steps)) for f in snapshot_at)
+    return trainer.fit(max_steps=max_steps, snapshots=snapshots)

@@ -1,0 +1,186 @@
+"""The llama.cpp target backend: tree verify in one decode, commit, features, errors.
+
+Tolerance for comparing a verify node against decoding its root path alone: llama.cpp keeps K/V in
+f16 and sums attention over KV *cells*; a tree puts a path's cells at other slots (with masked gaps)
+than a plain chain does, so a softmax/V sum occasionally rounds differently. Most nodes come out
+bit-identical; the rest differ by well under one logit (0.76 the largest seen, logits span ~40).
+A broken mask (a node seeing a sibling or missing an ancestor) moves logits by several units: the
+negative control below checks that this test would notice.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from jetflow.models.loading import llamacpp_available
+from jetflow.tree.mask import ancestor_matrix, path_to_root
+
+LOGIT_TOL = 1.0
+HIDDEN_REL_TOL = 0.02  # of the feature vector's norm
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
+
+
+def random_tree(rng, n):
+    return [-1] + [rng.randrange(0, i) for i in range(1, n)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_path_sequence_ids_give_the_tree_mask(seed):
+    """llama.cpp masks node i against cells holding i's FIRST sequence id at positions <= its own:
+    with one id per root-to-leaf path that must be exactly 'ancestors and itself'."""
+    pytest.importorskip("llama_cpp")
+    from jetflow.models.llamacpp_target import _Batch, path_membership
+    from jetflow.tree.mask import tree_depths
+
+    rng = random.Random(seed)
+    parents = random_tree(rng, rng.randrange(1, 40))
+    member = path_membership(parents)
+    from llama_cpp import llama_cpp as lib
+
+    batch = _Batch(lib, 64, 64)
+    depths = np.asarray(tree_depths(parents))
+    batch.tree(np.arange(len(parents), dtype=np.int32), depths, member)
+    n = len(parents)
+    first = batch.seq_ids[:n, 0]
+    for i in range(n):  # ids written are exactly the node's paths, ascending
+        assert batch.seq_ids[i, :batch.n_seq_id[i]].tolist() == np.flatnonzero(member[i]).tolist()
+    sees = np.array([[member[j, first[i]] and depths[j] <= depths[i] for j in range(n)] for i in range(n)])
+    assert (sees == ancestor_matrix(parents).numpy()).all()
+
+
+def test_lookup_continuation_matches_brute_force():
+    from jetflow.decoding.lookup_drafter import lookup_continuation
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        hist = rng.integers(0, 4, size=rng.integers(1, 30))
+        got = lookup_continuation(hist, 3, 5)
+        want = []
+        for n in range(min(3, hist.size - 1), 0, -1):
+            suffix = hist[hist.size - n:].tolist()
+            starts = [i for i in range(hist.size - n) if hist[i:i + n].tolist() == suffix]
+            if starts:
+                want = hist[starts[-1] + n:starts[-1] + n + 5].tolist()
+                break
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def llama_target():
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    from jetflow.models.loading import load_target
+
+    return load_target("smollm2-135m-instruct", backend="llamacpp", n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llama_target):
+    from jetflow.decoding.prompt import encode_prompt
+
+    return encode_prompt(llama_target.tokenizer, "Write a short poem about the sea.")
+
+
+def _path_alone(target, prefix, tokens, parents, node):
+    target.prefill(prefix)
+    return target.extend([tokens[j] for j in path_to_root(parents, node)], return_hidden=True)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verify_nodes_match_their_paths(llama_target, prompt_ids, seed):
+    rng = random.Random(seed)
+    parents = random_tree(rng, 24)
+    tokens = [rng.randrange(100, 40000) for _ in parents]
+    llama_target.prefill(prompt_ids)
+    out = llama_target.verify(tokens, parents)
+    assert out.logits.shape == (24, llama_target.vocab_size)
+    assert out.hidden.shape == (24, len(llama_target.tapped_layers) * llama_target.hidden_size)
+    exact = 0
+    for node in range(len(parents)):
+        ref = _path_alone(llama_target, prompt_ids, tokens, parents, node)
+        diff = (ref.logits[-1] - out.logits[node]).abs().max().item()
+        assert diff < LOGIT_TOL, (node, diff)
+        hid = (ref.hidden[-1] - out.hidden[node]).norm() / ref.hidden[-1].norm()
+        assert hid < HIDDEN_REL_TOL, (node, hid.item())
+        exact += diff == 0.0
+    assert exact >= len(parents) // 2  # most nodes are bit-identical to their path decode
+
+
+@pytest.mark.real
+def test_wrong_mask_is_noticed(llama_target, prompt_ids):
+    """Negative control: verifying the same tokens as a chain (each node then also sees its
+    non-ancestors) moves a tree node's logits far beyond the tolerance."""
+    parents = [-1, 0, 0, 0, 3]
+    tokens = [500, 600, 700, 800, 900]
+    llama_target.prefill(prompt_ids)
+    wrong = llama_target.verify(tokens, list(range(-1, 4)))
+    ref = _path_alone(llama_target, prompt_ids, tokens, parents, 4)
+    assert (ref.logits[-1] - wrong.logits[4]).abs().max().item() > 3 * LOGIT_TOL
+
+
+@pytest.mark.real
+def test_cache_after_rounds_matches_fresh_prefill(llama_target, prompt_ids):
+    rng = random.Random(3)
+    llama_target.prefill(prompt_ids)
+    for _ in range(5):
+        parents = random_tree(rng, rng.randrange(1, 20))
+        tokens = [rng.randrange(100, 40000) for _ in parents]
+        llama_target.verify(tokens, parents)
+        leaf = rng.randrange(len(parents))
+        llama_target.commit(path_to_root(parents, leaf)[: rng.randrange(0, 4) + 1])
+    committed = list(llama_target.token_ids)
+    assert llama_target.past_len == len(committed)
+    nxt = llama_target.extend([1234], return_hidden=True)
+    fresh = llama_target.prefill(committed + [1234], return_hidden=True)
+    assert (nxt.logits[-1] - fresh.logits[-1]).abs().max().item() < LOGIT_TOL
+    assert ((nxt.hidden[-1] - fresh.hidden[-1]).norm() / fresh.hidden[-1].norm()).item() < HIDDEN_REL_TOL
+
+
+@pytest.mark.real
+def test_features_match_torch_backend(llama_target, prompt_ids, smollm2):
+    """Layer-input taps are the torch backend's tapped layer outputs (up to Q4_1 arithmetic)."""
+    smollm2.set_tapped_layers(llama_target.tapped_layers)
+    ours = llama_target.prefill(prompt_ids).hidden
+    theirs = smollm2.prefill(prompt_ids).hidden
+    cos = torch.nn.functional.cosine_similarity(ours[1:], theirs[1:], dim=-1)
+    assert cos.min().item() > 0.95
+
+
+@pytest.mark.real
+def test_errors_are_clear(llama_target, prompt_ids, monkeypatch):
+    from jetflow.errors import InvalidRequestError
+    from jetflow.models import llamacpp_target as mod
+
+    with pytest.raises(InvalidRequestError, match="context"):
+        llama_target.prefill([100] * llama_target.max_context)
+    llama_target.prefill(prompt_ids)
+    with pytest.raises(InvalidRequestError, match="batch"):
+        llama_target.verify([5] * (llama_target.n_batch + 1), list(range(-1, llama_target.n_batch)))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llama_target.verify([llama_target.vocab_size], [-1])
+    llama_target.extend([100])  # still usable after refused requests
+    monkeypatch.setitem(mod._EXT_SYMBOLS, "get_layer_inp", ("_Z_no_such_symbol", None, []))
+    with pytest.raises(mod.LlamaCppError, match="_Z_no_such_symbol"):
+        mod._bind_ext(mod._import_binding())
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("prompt", ["Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                                    "clips in May. How many clips did Natalia sell altogether?",
+                                    "Write a Python function that reverses a string."])
+def test_greedy_jetflow_equals_llama_api(llama_target, prompt):
+    """Token for token what llama-cpp-python's Llama API decodes greedily (same kernels)."""
+    import jetflow
+    from jetflow.eval.llama_reference import llama_greedy, open_llama
+
+    jf = jetflow.JetFlow.from_pretrained(llama_target, "auto", budget=8)
+    ours = jf.generate(prompt, max_new_tokens=64)
+    llm = open_llama(llama_target.gguf, n_threads=2)
+    ids = jetflow.decoding.prompt.encode_prompt(llama_target.tokenizer, prompt)
+    ref, _, _ = llama_greedy(llm, ids, 64, llama_target.stop_token_ids())
+    assert ours.token_ids == ref
+    assert ours.stats["tau"] > 1.5
