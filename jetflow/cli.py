@@ -220,7 +220,7 @@ def cmd_eval_offline(args) -> int:
 def cmd_bench(args) -> int:
     from jetflow.eval.bench import run_bench
     from jetflow.eval.datasets import load_eval_set
-    from jetflow.eval.methods import parse_methods
+    from jetflow.eval.methods import parse_methods, reference_method
 
     methods = parse_methods(args.methods)
     budgets = _budget_list(args.budgets)
@@ -231,6 +231,7 @@ def cmd_bench(args) -> int:
     if not datasets:
         raise JetFlowError("--datasets names no evaluation set")
     target = _load_jetflow_target(args)
+    methods = parse_methods(args.methods, reference_method(target))  # llama.cpp runs compare with llama-ar
     drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter}
     summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -426,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--datasets", default="gsm8k", help="comma list of gsm8k, math500, aime, humaneval, mtbench")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,jetflow",
-                   help="comma list of ar, hf, pld, dflash, ddtree, jetflow, jetflow-chain, eagle3 (ar is always run)")
+                   help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, eagle3, "
+                        "torch-ar, torch-jetflow (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")

@@ -11,7 +11,7 @@ from jetflow.decoding.api import prepare_request
 from jetflow.decoding.autoregressive import autoregressive_stream
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, cached_costs
-from jetflow.decoding.drafter import make_drafter
+from jetflow.decoding.drafter import Drafter, make_drafter
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
 from jetflow.errors import InvalidRequestError
@@ -33,12 +33,14 @@ DEFAULT_WIDTH = 7
 
 class JetFlow:
     def __init__(self, target: TargetBackend, head: DraftHead | None = None, *, budget: int | str | None = None,
-                 width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None):
+                 width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None,
+                 drafter: Drafter | None = None):
+        """``head``: a draft head to run; or ``drafter``: a ready :class:`Drafter` (e.g. prompt lookup)."""
         self.target = target
         # The lean draft (int8 weights) by default where the target is llama.cpp: there a decoding step
         # is a few ms and an fp32 head forward would cost more than the step (docs/results.md).
         self.int8_draft = target.backend == "llamacpp" if int8_draft is None else int8_draft
-        self.drafter = make_drafter(head, target, int8=self.int8_draft) if head is not None else None
+        self.drafter = make_drafter(head, target, int8=self.int8_draft) if head is not None else drafter
         if budget is None:
             budget = DEFAULT_BUDGETS.get(target.backend, DEFAULT_BUDGET)
         self.budget, self.width = _check_tree_args(budget, width)

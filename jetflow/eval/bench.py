@@ -3,6 +3,7 @@ model, and the written summary (summary.json, summary.md, plots)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from jetflow.decoding.costs import measure_costs
@@ -14,11 +15,14 @@ from jetflow.eval.methods import MethodRunner, MethodSpec
 from jetflow.eval.report import markdown, plots
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.shipped import shipped_drafter
-from jetflow.models.target import TargetModel
+from jetflow.models.backend import TargetBackend
 from jetflow.utils.fs import write_json_atomic
 
 
-def run_bench(target: TargetModel, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
+CURVE_SIZES = {1, 2, 3, 4, 8, 16, 32, 64}  # draft-node counts whose verify cost every report shows
+
+
+def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
               budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
               repeats: int = 1, cost_model: bool = True) -> tuple[dict, int]:
@@ -49,13 +53,15 @@ def run_bench(target: TargetModel, methods: list[MethodSpec], datasets: dict[str
     if cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
         drafters_used = {kind: d.drafter for kind, d in runner.decoders.items()}
         block = next((d.block_size for k, d in drafters_used.items() if k != "eagle3"), None)
-        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()))
+        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()) | CURVE_SIZES)
         context = typical_context(runs)
         costs = measure_costs(target, sizes, None, context=context)
         costs["draft_ms"] = {kind: measure_costs(target, sizes, d, context=context, width=width)["draft_ms"]
                              for kind, d in drafters_used.items()}
         for d in drafters_used.values():
             d.reset()
+        print(f"verify cost curve on {target.backend}, c(n+1)/c(1) with c(1) = {costs['c1_ms']:.1f} ms: "
+              + ", ".join(f"n={n}: {r:.2f}" for n, r in sorted(costs["verify_ratio"].items())), file=sys.stderr)
     info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
             "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
     write_json_atomic(out / "summary.json", info)

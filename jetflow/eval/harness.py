@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jetflow.eval.datasets import EvalPrompt
-from jetflow.eval.methods import MethodRunner, MethodSpec
+from jetflow.eval.methods import MethodRunner, MethodSpec, reference_method
 from jetflow.utils.fs import write_json_atomic
 
 PHASES = ("draft", "tree", "verify", "accept", "commit")
@@ -81,8 +81,11 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
     return records
 
 
-def summarize(records: list[dict], reference: list[dict] | None, greedy: bool) -> dict:
-    """Totals and means of one run; ``reference`` is the ar run on the same prompts."""
+def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
+              equal_to: list[dict] | None = None) -> dict:
+    """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
+    llama-ar on llama.cpp): the speed-up's denominator; ``equal_to`` the run whose outputs this one
+    must reproduce (default: ``reference``)."""
     tokens = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     rounds = sum(r["rounds"] for r in records)
@@ -112,9 +115,11 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool) -
         ratios = [(r["new_tokens"] / r["seconds"]) / (ref[k]["new_tokens"] / ref[k]["seconds"])
                   for r in records if (k := (r["id"], r["turn"])) in ref and r["seconds"] and ref[k]["seconds"]]
         out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
-        if greedy:
-            out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
-                                 if (r["id"], r["turn"]) not in ref or r["token_ids"] != ref[(r["id"], r["turn"])]["token_ids"]]
+    equal_to = reference if equal_to is None else equal_to
+    if equal_to is not None and greedy:
+        same = {(r["id"], r["turn"]): r["token_ids"] for r in equal_to}
+        out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
+                             if same.get((r["id"], r["turn"])) != r["token_ids"]]
     return out
 
 
@@ -134,7 +139,8 @@ def load_or_run(path: Path, key: dict, compute) -> dict:
 
 
 def report_mismatches(runs: list[dict], greedy: bool) -> int:
-    """Print every output that differs from ar under greedy decoding; returns how many."""
+    """Print every output that differs from its reference (ar / llama-ar / torch-ar) under greedy
+    decoding; returns how many."""
     if not greedy:
         return 0
     bad = 0
@@ -144,7 +150,7 @@ def report_mismatches(runs: list[dict], greedy: bool) -> int:
             bad += len(miss)
             print(f"LOSSLESSNESS VIOLATION: {run['method']} on {run['dataset']}"
                   + (f" at budget {run['budget']}" if run["budget"] is not None else "")
-                  + f": {len(miss)} output(s) differ from ar, e.g. {miss[:3]}", file=sys.stderr)
+                  + f": {len(miss)} output(s) differ from the reference, e.g. {miss[:3]}", file=sys.stderr)
     return bad
 
 
@@ -152,11 +158,12 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                   budgets: list[int], settings: BenchSettings, out_dir: Path, progress: bool = True) -> list[dict]:
     """All runs (ar first on each dataset), each saved to ``out_dir/runs/NAME.json`` and summarized."""
     greedy = settings.temperature == 0
+    main_ref = reference_method(runner.target)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     warmed: set[str] = set()
     runs = []
     for dataset, prompts in datasets.items():
-        reference = None
+        refs: dict[str, list[dict]] = {}  # reference runs of this dataset by method name
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
                 name = run_name(dataset, spec, budget)
@@ -170,10 +177,11 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                     return {"records": run_prompts(runner, spec, prompts, budget, settings, progress)}
 
                 run = load_or_run(out_dir / "runs" / f"{name}.json", key, compute)
-                if spec.name == "ar":
-                    reference = run["records"]
+                if spec.name in (main_ref, spec.equals):
+                    refs[spec.name] = run["records"]
                 run.update(dataset=dataset, method=spec.name, budget=budget,
-                           summary=summarize(run["records"], reference, greedy))
+                           summary=summarize(run["records"], refs.get(main_ref), greedy,
+                                             refs.get(spec.equals or main_ref)))
                 write_json_atomic(out_dir / "runs" / f"{name}.json", run)
                 s = run["summary"]
                 if progress:
@@ -186,7 +194,7 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
 def typical_context(runs: list[dict]) -> int:
     """Mean context length over the decoding steps of the ar runs (prompt + half the answer): the
     context at which the cost model measures forwards."""
-    recs = [r for run in runs if run["method"] == "ar" for r in run["records"]]
+    recs = [r for run in runs if run["method"] in ("ar", "llama-ar") for r in run["records"]]
     if not recs:
         return 256
     return max(1, round(sum(r.get("prompt_tokens", 0) + r["new_tokens"] / 2 for r in recs) / len(recs)))

@@ -1,8 +1,15 @@
-"""The decoding methods the benchmark compares, all on the same target runtime and prompts.
+"""The decoding methods the benchmark compares, on the same prompts.
 
-    ar             JetFlow's own autoregressive loop (the speed-up denominator)
-    hf             plain transformers ``generate`` (what a user gets without JetFlow)
-    pld            transformers prompt-lookup decoding (no drafter)
+    ar             JetFlow's own autoregressive loop on the target's backend (the speed-up
+                   denominator on the torch backend)
+    llama-ar       llama-cpp-python's own ``Llama`` greedy loop (llama.cpp backend only: the
+                   speed-up denominator and the output every llama.cpp method must equal)
+    hf             plain transformers ``generate`` (what a user gets without JetFlow; torch only)
+    pld            transformers prompt-lookup decoding (no drafter; torch only)
+    lookup         JetFlow's prompt lookup (no drafter) through the tree verifier: any backend
+    torch-ar       JetFlow's autoregressive loop on the torch backend of the same model, and
+    torch-jetflow  the causal head there: in a llama.cpp run, "JetFlow as it was" side by side
+                   (their outputs are compared with torch-ar, their speed with the denominator)
     dflash         bidirectional head, chain (width 1, one path of block_size - 1 drafts)
     ddtree         bidirectional head, best-first tree
     jetflow        causal head, best-first tree
@@ -15,6 +22,7 @@ after the prefill) and, for the drafters, ``accept_lengths`` per round (bonus to
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -25,8 +33,10 @@ import jetflow
 from jetflow.decoding.api import prepare_request
 from jetflow.decoding.result import GenerationResult
 from jetflow.errors import JetFlowError
+from jetflow.decoding.lookup_drafter import LookupDrafter
+from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead
-from jetflow.models.target import TargetModel
+from jetflow.models.resolve import is_known_model
 
 PLD_TOKENS = 10  # prompt-lookup candidates per step (transformers' usual setting)
 
@@ -36,59 +46,111 @@ class MethodSpec:
     name: str
     head: str | None  # the head it needs: "causal" / "bidirectional" block head, "eagle3", or None
     tree: bool  # True: the --budgets sweep applies; False: one run
+    backend: str | None = None  # None: the bench target's; "torch": a torch twin of it; "llamacpp": only there
+    equals: str | None = None  # the method whose output it must reproduce (None: the run's reference)
 
 
 METHODS = {m.name: m for m in [
     MethodSpec("ar", None, False), MethodSpec("hf", None, False), MethodSpec("pld", None, False),
     MethodSpec("dflash", "bidirectional", False), MethodSpec("ddtree", "bidirectional", True),
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
-    MethodSpec("eagle3", "eagle3", True),
+    MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
+    MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
+    MethodSpec("torch-jetflow", "causal", True, backend="torch", equals="torch-ar"),
 ]}
+
+
+def reference_method(target) -> str:
+    """The method every speed-up is measured against and every output compared with."""
+    return "llama-ar" if target.backend == "llamacpp" else "ar"
 HEAD_FLAGS = {"causal": "--drafter", "bidirectional": "--baseline-drafter", "eagle3": "--eagle-drafter"}
 
 
-def parse_methods(text: str) -> list[MethodSpec]:
+def parse_methods(text: str, reference: str = "ar") -> list[MethodSpec]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown or not names:
         raise JetFlowError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
-    if "ar" not in names:  # every speed-up and every equality check is against ar
-        names.insert(0, "ar")
+    needed = [reference] + [METHODS[n].equals for n in names if METHODS[n].equals]
+    names = [n for n in needed if n not in names] + names  # references run first on each dataset
     return [METHODS[n] for n in dict.fromkeys(names)]
 
 
 class MethodRunner:
     """Runs one method on one prompt. Heads are given per attention kind; a method whose head kind
-    is missing, or has the wrong attention, is refused up front with the reason."""
+    is missing, has the wrong attention, or needs another backend is refused up front."""
 
-    def __init__(self, target: TargetModel, heads: dict[str, DraftHead], width: int = 7):
-        self.target, self.width = target, width
+    def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7):
+        self.target, self.width, self.heads = target, width, heads
         self.decoders = {}
         for kind, head in heads.items():
-            have = "eagle3" if head.config.kind == "eagle3" else head.config.attention
+            have = "eagle3" if head.kind == "eagle3" else head.config.attention
             if have != kind:
                 raise JetFlowError(f"the {kind} methods need a {kind} head; the given one ({HEAD_FLAGS[kind]}) "
                                    f"is {have}")
             self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype))
+        self._lookup = None
+        self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
+        self._torch = None  # (torch twin target, its causal-head decoder or None)
 
     def check(self, spec: MethodSpec) -> None:
         if spec.head is not None and spec.head not in self.decoders:
             raise JetFlowError(f"method {spec.name!r} needs a {spec.head} draft head: pass {HEAD_FLAGS[spec.head]}")
+        if spec.name in ("hf", "pld") and self.target.backend != "torch":
+            raise JetFlowError(f"method {spec.name!r} is transformers' generate: it needs --backend torch")
+        if spec.backend == "llamacpp" and self.target.backend != "llamacpp":
+            raise JetFlowError(f"method {spec.name!r} needs the llama.cpp backend (--backend llamacpp)")
 
     def run(self, spec: MethodSpec, prompt, *, budget: int | None, max_new_tokens: int,
             temperature: float = 0.0, seed: int | None = None, chat: bool = True) -> GenerationResult:
         request = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat)
-        if spec.name == "ar":
-            result = jetflow.generate(self.target, prompt, **request)
+        if spec.name in ("ar", "torch-ar"):
+            target = self.target if spec.name == "ar" else self._torch_twin()[0]
+            result = jetflow.generate(target, prompt, **request)
             result.stats = {"rounds": max(0, result.new_tokens - 1)}
             return result
         if spec.name in ("hf", "pld"):
             return self._hf_generate(prompt, spec.name, request)
-        decoder = self.decoders[spec.head]
-        self.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
+        if spec.name == "llama-ar":
+            return self._llama_generate(prompt, request)
+        if spec.name == "lookup":
+            if self._lookup is None:
+                self._lookup = jetflow.JetFlow(self.target, drafter=LookupDrafter(self.target))
+            return self._lookup.generate(prompt, budget=self._lookup.drafter.max_draft, width=1, **request)
+        decoder = self._torch_twin()[1] if spec.name == "torch-jetflow" else self.decoders[spec.head]
+        decoder.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
         if spec.tree:
             return decoder.generate(prompt, budget=budget, width=self.width, **request)
         return decoder.generate(prompt, budget=decoder.drafter.block_size - 1, width=1, **request)
+
+    def _torch_twin(self):
+        """The same model on the torch backend (loaded on first use), with the causal head."""
+        if self._torch is None:
+            if self.target.backend == "torch":
+                self._torch = (self.target, self.decoders.get("causal"))
+            else:
+                from jetflow.models.target import TargetModel
+
+                spec = self.target.name if is_known_model(self.target.name) else str(self.target.gguf)
+                twin = TargetModel.load(spec)
+                head = self.heads.get("causal")
+                self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype)) if head else None)
+        return self._torch
+
+    def _llama_generate(self, prompt, request: dict) -> GenerationResult:
+        from jetflow.eval.llama_reference import llama_greedy, open_llama
+
+        if request["temperature"] > 0:
+            raise JetFlowError("llama-ar is the greedy reference; use --temperature 0")
+        prompt_ids, _, output = prepare_request(self.target, prompt, **request)
+        if self._llama is None:
+            self._llama = open_llama(self.target.gguf, n_ctx=self.target.max_context, n_threads=self.target.n_threads,
+                                     flash_attn=self.target.flash_attn)
+        tokens, seconds, _ = llama_greedy(self._llama, prompt_ids, output.max_new_tokens, output.stop_token_ids)
+        output.add_many(tokens)
+        result = GenerationResult.from_output(output, len(prompt_ids), seconds, 0.0, method="llama-ar")
+        result.stats = {"rounds": max(0, result.new_tokens - 1)}
+        return result
 
     @torch.inference_mode()
     def _hf_generate(self, prompt, name: str, request: dict) -> GenerationResult:

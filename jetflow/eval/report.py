@@ -40,14 +40,14 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
              f"{settings['temperature']}, width {settings['width']}, {settings['repeats']} timed run(s) per prompt "
              f"(median).", "",
              "tau = tokens per target forward after the prefill, bonus token included. Speed-up = total tokens / "
-             "total time against `ar` (headline); per-prompt = mean of per-prompt speed-ups.", "",
+             "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline); per-prompt = mean of per-prompt speed-ups.", "",
              "## Best budget per method", "",
-             "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to ar |",
+             "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to reference |",
              "|---|---|---|---|---|---|---|---|"]
     for (dataset, method), run in sorted(best_runs(runs).items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
         lines.append(_row(run, dataset, method))
     lines += ["", "## All runs", "",
-              "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to ar |",
+              "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to reference |",
               "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         lines.append(_row(run, run["dataset"], run["method"]))
@@ -66,6 +66,8 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
                   f"runs): c(1) = {costs['c1_ms']:.1f} ms. "
                   "bound = tau * c(1) / (c_draft + c(n+1)) with this run's tau: the speed-up if a round cost only "
                   "its draft and verify forwards.", "",
+                  "Verify cost curve of the target's backend, c(n+1)/c(1) for n draft nodes: "
+                  + ", ".join(f"{n}: {r:.2f}" for n, r in sorted(costs["verify_ratio"].items())), "",
                   "| dataset | method | budget n | c(n+1)/c(1) | draft ms | verify ms | bound | measured |",
                   "|---|---|---|---|---|---|---|---|"]
         for run in runs:
@@ -81,7 +83,8 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
     return "\n".join(lines) + "\n"
 
 
-ORDER = ["ar", "hf", "pld", "dflash", "ddtree", "eagle3", "jetflow-chain", "jetflow"]
+ORDER = ["llama-ar", "ar", "hf", "pld", "lookup", "torch-ar", "torch-jetflow", "dflash", "ddtree", "eagle3",
+         "jetflow-chain", "jetflow"]
 
 
 def _order(method: str) -> int:

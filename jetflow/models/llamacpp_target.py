@@ -130,6 +130,25 @@ def path_membership(parents: Sequence[int]) -> np.ndarray:
     return member
 
 
+def main_chain_first(parents: Sequence[int]) -> np.ndarray:
+    """A batch order for a tree: the chain root -> first child -> first child ... (a best-first
+    tree's most likely path) first, then the other nodes in their order (parents still precede
+    children). llama.cpp places a batch's tokens in consecutive KV cells and sums attention in
+    groups of cells, so the main chain's cells then sit exactly where one-token decoding puts
+    them: its rows, and the cache after accepting a prefix of it, equal decoding bit for bit."""
+    first_child: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        first_child.setdefault(parent, node)
+    chain, node = [], 0
+    while True:
+        chain.append(node)
+        if node not in first_child:
+            break
+        node = first_child[node]
+    on_chain = set(chain)
+    return np.asarray(chain + [i for i in range(len(parents)) if i not in on_chain], dtype=np.int64)
+
+
 class LlamaCppTarget:
     """The llama.cpp implementation of :class:`jetflow.models.backend.TargetBackend` (CPU)."""
 
@@ -158,6 +177,7 @@ class LlamaCppTarget:
         train_ctx = int(lib.llama_model_n_ctx_train(self._model))
         self.n_threads = int(n_threads or os.cpu_count() or 1)
         self.n_batch = int(n_batch)
+        self.flash_attn = bool(flash_attn)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx
         cparams.n_batch = cparams.n_ubatch = self.n_batch  # a whole tree runs as one graph
@@ -239,6 +259,10 @@ class LlamaCppTarget:
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []
         self._pending_members: np.ndarray | None = None
+        self._pending_order: np.ndarray | None = None
+        # Committed tokens whose cells were dropped because they were not where one-token decoding
+        # puts them (a side branch was accepted); the next decode writes them again, contiguously.
+        self._redo: list[int] = []
 
     def _decode(self, what: str) -> None:
         rc = self._lib.llama_decode(self._ctx, self._batch.struct)
@@ -284,8 +308,10 @@ class LlamaCppTarget:
         n = ids.size
         if n == 0 or n != len(parents):
             raise ValueError(f"need one parent per token and at least one token (got {n} and {len(parents)})")
-        if n > self.n_batch:
-            raise InvalidRequestError(f"tree of {n} nodes exceeds the llama.cpp batch of {self.n_batch} tokens")
+        redo = np.asarray(self._redo, dtype=np.int32)
+        m = redo.size
+        if n + m > self.n_batch:
+            raise InvalidRequestError(f"tree of {n} nodes exceeds the llama.cpp batch of {self.n_batch - m} tokens")
         check_parents(parents)
         self._drop_pending()
         depths = np.asarray(tree_depths(parents), dtype=np.int32)
@@ -296,20 +322,28 @@ class LlamaCppTarget:
         member = path_membership(parents)
         if member.shape[1] > MAX_SEQ:
             raise InvalidRequestError(f"tree has {member.shape[1]} leaves; llama.cpp verifies at most {MAX_SEQ} paths")
+        order = None
         if member.shape[1] == 1:  # a chain: sequence 0 alone
-            self._batch.chain(ids, self.past_len, all_logits=True)
+            self._batch.chain(np.concatenate([redo, ids]), self.past_len - m, all_logits=True)
         else:
             for k in range(1, member.shape[1]):  # the prefix becomes part of every path
                 self._lib.llama_memory_seq_cp(self._mem, 0, k, -1, -1)
-            self._batch.tree(ids, self.past_len + depths, member)
+            order = main_chain_first(parents)
+            self._batch.tree(np.concatenate([redo, ids[order]]),
+                             np.concatenate([np.arange(self.past_len - m, self.past_len), self.past_len + depths[order]]),
+                             np.concatenate([np.ones((m, member.shape[1]), bool), member[order]]))
         try:
             self._decode("verify")
         except Exception:
             self._pending_parents, self._pending_members = parents, member
             self._drop_pending()
             raise
+        self._redo = []
         self._pending_tokens, self._pending_parents, self._pending_members = ids.tolist(), parents, member
-        return self._outputs(n, n, return_hidden)
+        self._pending_order = order
+        out = self._outputs(n + m, n + m, return_hidden)
+        rows = torch.arange(m, m + n) if order is None else m + torch.from_numpy(np.argsort(order))  # node order
+        return TargetOutput(out.logits[rows], out.hidden[rows] if out.hidden is not None else None)
 
     def commit(self, nodes: Sequence[int]) -> None:
         nodes = check_path(nodes, self._pending_parents)
@@ -325,9 +359,17 @@ class LlamaCppTarget:
             if leaf != 0:
                 self._lib.llama_memory_seq_cp(self._mem, leaf, 0, -1, -1)
                 self._lib.llama_memory_seq_rm(self._mem, leaf, -1, -1)
-        self.token_ids += [self._pending_tokens[i] for i in nodes]
+        accepted = [self._pending_tokens[i] for i in nodes]
+        order = self._pending_order
+        if order is not None and nodes and nodes != order[:len(nodes)].tolist():
+            # Not the batch's leading chain: its cells have gaps one-token decoding never leaves, and
+            # attention sums over cells in fixed groups. Drop them; the next decode writes them again.
+            self._lib.llama_memory_seq_rm(self._mem, 0, self.past_len, -1)
+            self._redo = accepted
+        self.token_ids += accepted
         self.past_len = keep_end
         self._pending_tokens, self._pending_parents, self._pending_members = [], [], None
+        self._pending_order = None
 
     def _drop_pending(self) -> None:
         if self._pending_parents:

@@ -82,6 +82,10 @@ def resolve_model(spec: str | os.PathLike | None = None) -> ResolvedModel:
     )
 
 
+def is_known_model(name: str) -> bool:
+    return name.strip().lower() in KNOWN_MODELS
+
+
 def locate_gguf(spec: str | os.PathLike | None = None) -> tuple[Path, str] | None:
     """(GGUF file, model name) when ``spec`` names one (a known short name or a ``.gguf`` path),
     without converting anything; None for Hugging Face directories and hub ids."""
