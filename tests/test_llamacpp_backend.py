@@ -1,11 +1,12 @@
 """The llama.cpp target backend: tree verify in one decode, commit, features, errors.
 
-Tolerance for comparing a verify node against decoding its root path alone: llama.cpp keeps K/V in
-f16 and sums attention over KV *cells*; a tree puts a path's cells at other slots (with masked gaps)
-than a plain chain does, so a softmax/V sum occasionally rounds differently. Most nodes come out
-bit-identical; the rest differ by well under one logit (0.76 the largest seen, logits span ~40).
-A broken mask (a node seeing a sibling or missing an ancestor) moves logits by several units: the
-negative control below checks that this test would notice.
+Built with GGML_LLAMAFILE=OFF, a multi-token decode gives the same numbers as one-token decodes, and
+the tree's main chain (root -> first child -> ...) is placed in the KV cells a plain decode would
+use: those nodes must match decoding their path alone bit for bit. Other nodes sit in cells with
+masked gaps between their ancestors; llama.cpp sums attention over cells in fixed groups of 8/32,
+so their sums round differently: up to 1.08 logits on random tokens (logits span ~40). The tolerance
+for them is 2 logits; a broken mask (a node seeing a non-ancestor) moves logits by 6-18 (negative
+control below), so the test still notices one.
 """
 
 import random
@@ -17,8 +18,8 @@ import torch
 from jetflow.models.loading import llamacpp_available
 from jetflow.tree.mask import ancestor_matrix, path_to_root
 
-LOGIT_TOL = 1.0
-HIDDEN_REL_TOL = 0.02  # of the feature vector's norm
+LOGIT_TOL = 2.0
+HIDDEN_REL_TOL = 0.05  # of the feature vector's norm (0.019 the largest seen)
 
 needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
 
@@ -99,15 +100,20 @@ def test_verify_nodes_match_their_paths(llama_target, prompt_ids, seed):
     out = llama_target.verify(tokens, parents)
     assert out.logits.shape == (24, llama_target.vocab_size)
     assert out.hidden.shape == (24, len(llama_target.tapped_layers) * llama_target.hidden_size)
-    exact = 0
+    from jetflow.models.llamacpp_target import main_chain_first
+
+    order = main_chain_first(parents)
+    chain = set(order[: next(i for i in range(1, len(order) + 1) if i == len(order) or parents[order[i]] != order[i - 1])])
     for node in range(len(parents)):
         ref = _path_alone(llama_target, prompt_ids, tokens, parents, node)
         diff = (ref.logits[-1] - out.logits[node]).abs().max().item()
+        if node in chain:
+            assert diff == 0.0, (node, diff)
+            assert torch.equal(ref.hidden[-1], out.hidden[node])
         assert diff < LOGIT_TOL, (node, diff)
         hid = (ref.hidden[-1] - out.hidden[node]).norm() / ref.hidden[-1].norm()
         assert hid < HIDDEN_REL_TOL, (node, hid.item())
-        exact += diff == 0.0
-    assert exact >= len(parents) // 2  # most nodes are bit-identical to their path decode
+    assert len(chain) >= 2
 
 
 @pytest.mark.real
@@ -115,11 +121,12 @@ def test_wrong_mask_is_noticed(llama_target, prompt_ids):
     """Negative control: verifying the same tokens as a chain (each node then also sees its
     non-ancestors) moves a tree node's logits far beyond the tolerance."""
     parents = [-1, 0, 0, 0, 3]
-    tokens = [500, 600, 700, 800, 900]
+    rng = random.Random(0)
+    tokens = [rng.randrange(100, 40000) for _ in parents]
     llama_target.prefill(prompt_ids)
     wrong = llama_target.verify(tokens, list(range(-1, 4)))
     ref = _path_alone(llama_target, prompt_ids, tokens, parents, 4)
-    assert (ref.logits[-1] - wrong.logits[4]).abs().max().item() > 3 * LOGIT_TOL
+    assert (ref.logits[-1] - wrong.logits[4]).abs().max().item() > 2 * LOGIT_TOL
 
 
 @pytest.mark.real

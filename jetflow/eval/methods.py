@@ -56,7 +56,7 @@ METHODS = {m.name: m for m in [
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
     MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
-    MethodSpec("torch-jetflow", "causal", True, backend="torch", equals="torch-ar"),
+    MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
 ]}
 
 
@@ -117,7 +117,9 @@ class MethodRunner:
             if self._lookup is None:
                 self._lookup = jetflow.JetFlow(self.target, drafter=LookupDrafter(self.target))
             return self._lookup.generate(prompt, budget=self._lookup.drafter.max_draft, width=1, **request)
-        decoder = self._torch_twin()[1] if spec.name == "torch-jetflow" else self.decoders[spec.head]
+        if spec.name == "torch-jetflow":  # at the torch runtime's own default budget
+            return self._torch_twin()[1].generate(prompt, width=self.width, **request)
+        decoder = self.decoders[spec.head]
         decoder.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
         if spec.tree:
             return decoder.generate(prompt, budget=budget, width=self.width, **request)
