@@ -73,7 +73,7 @@ class OracleDrafter:
         pass
 
     @torch.no_grad()
-    def propose(self, anchor, position, room, width):
+    def propose(self, anchor, position, room, width, max_nodes=None):
         from jetflow.decoding.block_drafter import BlockProposal
 
         return BlockProposal(self.depth_logprobs(anchor, position)[:room], anchor, width)

@@ -14,11 +14,13 @@ from jetflow.tree.build import DraftTree, build_tree
 class BlockProposal:
     """One block forward's per-depth distributions; a tree of any budget is built from them."""
 
-    def __init__(self, depth_logprobs: torch.Tensor, root: int, width: int):
-        self.depth_logprobs, self.root, self.width = depth_logprobs, root, width
+    def __init__(self, depth_logprobs: torch.Tensor, root: int, width: int, vocab_ids: torch.Tensor | None = None):
+        """depth_logprobs [D, V'] over the target vocabulary, or over a reduced draft vocabulary
+        whose target ids are ``vocab_ids`` (the top-w search then scans V' = Vd entries, not V)."""
+        self.depth_logprobs, self.root, self.width, self.vocab_ids = depth_logprobs, root, width, vocab_ids
 
     def tree(self, budget: int) -> DraftTree:
-        return build_tree(self.depth_logprobs, self.root, budget, self.width)
+        return build_tree(self.depth_logprobs, self.root, budget, self.width, vocab_ids=self.vocab_ids)
 
 
 class BlockDrafter:
@@ -66,12 +68,17 @@ class BlockDrafter:
         """The round's draft: one head forward; ``room`` caps the depth (context end), and so does
         ``max_nodes`` (a tree of n nodes is at most n deep: a causal head skips the deeper slots)."""
         depth = room if max_nodes is None else min(room, max_nodes)
-        return BlockProposal(self.depth_logprobs(anchor, position, depth)[:room], anchor, width)
+        return BlockProposal(self.head_logprobs(anchor, position, depth)[:room], anchor, width, self.draft_ids)
+
+    def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
+        """Draft log-probabilities [D, V] over the target vocabulary (tokens outside a reduced
+        draft vocabulary get -inf); see :meth:`head_logprobs`."""
+        return scatter_draft_vocab(self.head_logprobs(anchor, position, depth), self.draft_ids, self.vocab_size)
 
     @torch.inference_mode()
-    def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
-        """Draft log-probabilities [D, V] of the tokens at depths 1..D after ``anchor`` (over the
-        target vocabulary; tokens outside a reduced draft vocabulary get -inf). D is B-1, or ``depth``
+    def head_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
+        """Draft log-probabilities [D, Vd] of the tokens at depths 1..D after ``anchor``, over the
+        head's own vocabulary (its ids are ``draft_ids``; all of the target's when None). D is B-1, or ``depth``
         when smaller and the head is causal: its slot j never sees later slots, so running the first
         depth+1 slots gives exactly their outputs in the full block."""
         if position != self.context_len:
@@ -86,9 +93,8 @@ class BlockDrafter:
         mask = self.head.block_mask(self.context_len, device)[:b, : self.context_len + b]
         hidden = self.run_head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
         if self.lm_head is not None:
-            logprobs = self.lm_head(hidden[1:]).float().log_softmax(-1)
-            return scatter_draft_vocab(logprobs, self.draft_ids, self.vocab_size)
-        return to_target_logprobs(hidden[1:], self.lm_weight, self.draft_ids, self.vocab_size)
+            return self.lm_head(hidden[1:]).float().log_softmax(-1)
+        return draft_logprobs(hidden[1:], self.lm_weight)
 
 
 def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None,

@@ -117,10 +117,10 @@ class MethodRunner:
             if self._lookup is None:
                 self._lookup = jetflow.JetFlow(self.target, drafter=LookupDrafter(self.target))
             return self._lookup.generate(prompt, budget=self._lookup.drafter.max_draft, width=1, **request)
-        if spec.name == "torch-jetflow":  # at the torch runtime's own default budget
-            return self._torch_twin()[1].generate(prompt, width=self.width, **request)
-        decoder = self.decoders[spec.head]
+        decoder = self._torch_twin()[1] if spec.name == "torch-jetflow" else self.decoders[spec.head]
         decoder.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
+        if spec.name == "torch-jetflow":  # at the torch runtime's own default budget
+            return decoder.generate(prompt, width=self.width, **request)
         if spec.tree:
             return decoder.generate(prompt, budget=budget, width=self.width, **request)
         return decoder.generate(prompt, budget=decoder.drafter.block_size - 1, width=1, **request)

@@ -60,8 +60,10 @@ class DraftTree:
         return cls([int(token)], [-1], [0], [0.0])
 
 
-def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width: int) -> DraftTree:
-    """Best-first tree over per-depth log-probabilities [D, V] (row d-1 = depth d).
+def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width: int,
+               vocab_ids: torch.Tensor | None = None) -> DraftTree:
+    """Best-first tree over per-depth log-probabilities [D, V] (row d-1 = depth d); column j is
+    token ``vocab_ids[j]`` when given (a reduced draft vocabulary), else token j.
 
     Adds at most ``budget`` draft nodes with depth <= D, each depth offering its top-``width`` tokens.
     ``width=1`` gives a chain (DFlash's draft).
@@ -74,6 +76,8 @@ def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width
         return tree
     w = min(width, depth_logprobs.shape[1])
     top_lp, top_ids = depth_logprobs.float().topk(w, dim=-1)
+    if vocab_ids is not None:
+        top_ids = vocab_ids.to(top_ids.device)[top_ids]
     lp, ids = top_lp.tolist(), top_ids.tolist()  # one transfer; the search itself is pure Python
     # Frontier entries: (-score, tie-breaker, parent node, depth, rank).
     frontier = [(-lp[0][0], 0, 0, 1, 0)]
