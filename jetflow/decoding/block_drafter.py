@@ -46,13 +46,22 @@ class BlockDrafter:
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.last_feature: torch.Tensor | None = None  # fused feature of the last committed token
         self.context_len = 0
+        self._pending: list[torch.Tensor] = []  # features of committed tokens not yet projected
 
-    @torch.inference_mode()
     def extend(self, features: torch.Tensor) -> None:
         """Append the tapped target features [n, taps*H] of newly committed tokens to the context.
-        Only these n tokens are projected; earlier context keys/values are reused."""
-        if features.shape[0] == 0:
+        They are projected when the next draft needs them, all at once: rounds that decode plainly
+        (``--budget auto`` when drafting does not pay) then cost the head nothing."""
+        if features.shape[0]:
+            self._pending.append(features)
+
+    @torch.inference_mode()
+    def _project_pending(self) -> None:
+        """Project the features queued by :meth:`extend`; earlier context keys/values are reused."""
+        if not self._pending:
             return
+        features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
+        self._pending = []
         positions = torch.arange(self.context_len, self.context_len + features.shape[0], device=features.device)
         fused = self.head.fuse(features)
         self.last_feature = fused[-1]
@@ -81,6 +90,7 @@ class BlockDrafter:
         head's own vocabulary (its ids are ``draft_ids``; all of the target's when None). D is B-1, or ``depth``
         when smaller and the head is causal: its slot j never sees later slots, so running the first
         depth+1 slots gives exactly their outputs in the full block."""
+        self._project_pending()
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
         b = self.block_size

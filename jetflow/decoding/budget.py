@@ -15,8 +15,10 @@ measured draft + verify cost at that size (:class:`CostCurve`) plus a running me
 
 When even the best tree is expected to yield fewer tokens per millisecond than a plain one-token step
 (low acceptance: text far from the drafter's training data, or a machine where verification is
-dear), rounds skip the draft and verify the root alone -- plain decoding -- except every
-``explore_every``-th round, which drafts again to keep the estimate current.
+dear), rounds skip the draft and verify the root alone -- plain decoding -- except one exploring
+round after ``explore_every`` plain ones, which drafts again to keep the estimate current; while
+exploring keeps finding that drafting does not pay, the gap doubles (up to ``max_explore_every``),
+so a machine where it never pays (llama.cpp on a 2-core CPU) decodes almost plainly.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from jetflow.tree.build import DraftTree
 
 class AdaptiveBudget:
     def __init__(self, costs: CostCurve, max_budget: int = 256, min_budget: int = 1, bins: int = 10,
-                 max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8):
+                 max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8,
+                 max_explore_every: int = 64):
         self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
         self.bins, self.max_depth = bins, max_depth
         mids = [(b + 0.5) / bins for b in range(bins)]
@@ -39,7 +42,8 @@ class AdaptiveBudget:
         self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
         self._rounds = 0
         self._cost = [costs.round_ms(n) for n in range(max_budget + 1)]
-        self.explore_every = explore_every
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
+        self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
@@ -56,8 +60,12 @@ class AdaptiveBudget:
     def should_draft(self) -> bool:
         """False when drafting is expected to be slower than a plain step (see the module doc)."""
         pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
-        if pays or self._plain_rounds + 1 >= self.explore_every:
+        if pays:
+            self._plain_rounds, self._explore_gap = 0, self.explore_every
+            return True
+        if self._plain_rounds + 1 >= self._explore_gap:
             self._plain_rounds = 0
+            self._explore_gap = min(2 * self._explore_gap, self.max_explore_every)
             return True
         self._plain_rounds += 1
         return False

@@ -49,7 +49,7 @@ def speculative_stream(
             output.finish("length")
             break
         other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
-        if adaptive is not None and not adaptive.should_draft():
+        if budget == 0 or adaptive is not None and not adaptive.should_draft():
             tree = DraftTree.root_only(root)  # drafting does not pay now: a plain decoding step
         else:
             with stats.timed("draft"):
