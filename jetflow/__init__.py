@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "JetFlow": "jetflow.pipeline",
     "TargetModel": "jetflow.models.target",
+    "LlamaCppTarget": "jetflow.models.llamacpp_target",
+    "load_target": "jetflow.models.loading",
     "DraftHead": "jetflow.models.draft_head",
     "DraftHeadConfig": "jetflow.models.draft_head",
     "load_drafter": "jetflow.models.checkpoint",
