@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jetflow-installed
 TORCH  ?= torch==2.13.0
-# llama.cpp backend: llama-cpp-python built from its sdist (PyPI has no wheel; ~10 min on 2 cores, once
+# llama.cpp backend: llama-cpp-python built from its sdist (PyPI has no wheel; 5-8 min on 2 cores, once
 # per machine: the wheel is kept outside the repo). GGML_LLAMAFILE=OFF makes a multi-token decode give
 # the same numbers as one-token decodes (with llamafile's sgemm it does not), so verified drafts
 # reproduce llama.cpp's own greedy output bit for bit (docs/results.md, "llama.cpp backend").
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 # The wheel is built once (CMAKE_ARGS are not part of pip's cache key, so pip's cache is bypassed).
 llama-wheel:
 	@if ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1; then echo "llama-cpp-python wheel: $(LLAMA_WHEELS)"; \
-	else echo "building llama-cpp-python $(LLAMA_CPP) (about 10 minutes on 2 cores, once)"; mkdir -p $(LLAMA_WHEELS) && \
+	else echo "building llama-cpp-python $(LLAMA_CPP) (5-8 minutes on 2 cores, once)"; mkdir -p $(LLAMA_WHEELS) && \
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
 		llama-cpp-python==$(LLAMA_CPP); fi
 
