@@ -14,7 +14,7 @@ LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-p
 LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
-.PHONY: setup demo test bench clean vllm-venv test-vllm llama-wheel
+.PHONY: setup demo test bench clean vllm-venv test-vllm llama-wheel llama-tools test-llama-tools
 
 setup: $(STAMP)
 
@@ -60,6 +60,25 @@ vllm-venv: $(VLLM_VENV)/.installed
 test-vllm: $(STAMP) vllm-venv
 	JETFLOW_VLLM_PYTHON=$(VLLM_VENV)/bin/python JETFLOW_VLLM_DRAFTER=$(VLLM_DRAFTER) \
 		$(BIN)/python -m pytest -q -rs tests/test_vllm_integration.py
+
+# llama.cpp's own speculative driver (llama-speculative-simple), built from the sources vendored in the
+# same llama-cpp-python sdist, so `jetflow export-gguf` drafters can be run by llama.cpp's native
+# DFlash driver. Optional (about 10 minutes on 2 cores, once); tests that need them are skipped without.
+LLAMA_TOOLS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/llama.cpp-$(LLAMA_CPP)
+
+$(LLAMA_TOOLS)/build/bin/llama-speculative-simple:
+	mkdir -p $(LLAMA_TOOLS)/src
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(LLAMA_TOOLS) llama-cpp-python==$(LLAMA_CPP)
+	tar -xzf $(LLAMA_TOOLS)/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $(LLAMA_TOOLS)/src --strip-components=3 \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp
+	cmake -S $(LLAMA_TOOLS)/src -B $(LLAMA_TOOLS)/build -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE) \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON >/dev/null
+	cmake --build $(LLAMA_TOOLS)/build -j 2 --target llama-speculative-simple
+
+llama-tools: $(LLAMA_TOOLS)/build/bin/llama-speculative-simple
+
+test-llama-tools: $(STAMP) llama-tools
+	JETFLOW_LLAMA_TOOLS=$(LLAMA_TOOLS)/build/bin $(BIN)/python -m pytest -q -rs tests/test_export_gguf.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

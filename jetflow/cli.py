@@ -265,6 +265,19 @@ def cmd_export_vllm(args) -> int:
     return 0
 
 
+def cmd_export_gguf(args) -> int:
+    from jetflow.export.gguf import export_gguf, target_gguf_for
+    from jetflow.models.checkpoint import load_drafter
+
+    if not Path(args.drafter).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    target_gguf = target_gguf_for(args.target or load_drafter(args.drafter).config.target.get("name"))
+    out = export_gguf(args.drafter, args.out, target_gguf, dtype=args.dtype)
+    print(json.dumps({"out": str(out), "target_gguf": str(target_gguf),
+                      "run": f"llama-speculative-simple -m {target_gguf} -md {out} --spec-type draft-dflash --temp 0"}))
+    return 0
+
+
 def _budget_list(text: str) -> list[int | str]:
     """--budgets: sorted distinct integers >= 1, then 'auto' if asked for."""
     items = [t.strip() for t in text.split(",")]
@@ -464,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, type=Path)
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export_vllm)
+    g = sub.add_parser("export-gguf", help="write a block head as a DFlash GGUF that llama.cpp's speculative driver runs")
+    g.add_argument("--drafter", required=True, help="a JetFlow block-head checkpoint directory")
+    g.add_argument("--target", default=None, help="the target's GGUF file or known model name (default: the one the "
+                                                  "head's config names); its tokenizer is copied into the draft")
+    g.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
+    g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    g.set_defaults(func=cmd_export_gguf)
     return parser
 
 

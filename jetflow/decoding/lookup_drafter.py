@@ -42,7 +42,6 @@ class LookupDrafter:
     """The :class:`jetflow.decoding.drafter.Drafter` interface over the target's committed tokens."""
 
     head = None
-    block_size = MAX_DRAFT + 1
 
     def __init__(self, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
         self.target, self.max_ngram, self.max_draft = target, max_ngram, max_draft

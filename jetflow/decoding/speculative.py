@@ -52,14 +52,12 @@ def speculative_stream(
         if budget == 0 or adaptive is not None and not adaptive.should_draft():
             tree = DraftTree.root_only(root)  # drafting does not pay now: a plain decoding step
         else:
+            nodes = budget if adaptive is None else adaptive.draft_nodes()
             with stats.timed("draft"):
-                proposal = drafter.propose(root, target.past_len, room, width,
-                                           max_nodes=budget if adaptive is None else adaptive.draft_nodes())
+                proposal = drafter.propose(root, target.past_len, room, width, max_nodes=nodes)
             with stats.timed("tree"):
-                if adaptive is None:
-                    tree = proposal.tree(budget)
-                else:  # one build at the largest budget prices every smaller one (see decoding/budget.py)
-                    tree = proposal.tree(adaptive.draft_nodes())
+                tree = proposal.tree(nodes)
+                if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)

@@ -24,6 +24,7 @@ import torch
 
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
+from jetflow.models.gguf_meta import gguf_file_type
 from jetflow.tree.mask import check_parents, tree_depths
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
@@ -217,7 +218,7 @@ class LlamaCppTarget:
     def identity(self) -> dict:
         return {"name": self.name, "model_type": self._shape.model_type, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers, "backend": self.backend,
-                "dtype": _file_type(self.gguf)}
+                "dtype": gguf_file_type(self.gguf)}
 
     def stop_token_ids(self) -> set[int]:
         return set(self._stop_ids)
@@ -412,8 +413,3 @@ def _silence_logs(lib) -> None:
     _LOG_CALLBACK = lib.llama_log_callback(log)
     lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
-
-def _file_type(gguf: Path) -> str:
-    from jetflow.models.gguf_meta import gguf_file_type
-
-    return gguf_file_type(gguf)

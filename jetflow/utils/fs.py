@@ -61,3 +61,22 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling file path that replaces ``final`` only if the block succeeds, so an
+    existing ``final`` survives a failed or interrupted write."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".tmp-{final.name}-", dir=final.parent)
+    os.close(fd)
+    tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
