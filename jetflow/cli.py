@@ -232,7 +232,8 @@ def cmd_bench(args) -> int:
         raise JetFlowError("--datasets names no evaluation set")
     target = _load_jetflow_target(args)
     methods = parse_methods(args.methods, reference_method(target))  # llama.cpp runs compare with llama-ar
-    drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter}
+    drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter,
+                "native": args.native_drafter}
     summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
@@ -437,11 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline-drafter", default=None, help="bidirectional head for dflash/ddtree")
     b.add_argument("--eagle-drafter", default=None, help="EAGLE-3-style head (`jetflow train --head eagle3`) "
                                                          "for the eagle3 method")
+    b.add_argument("--native-drafter", default="auto",
+                   help="DFlash-compatible causal head that llama-dflash exports to GGUF and runs in llama.cpp's own "
+                        "speculative driver (default: the shipped <target>-dflash head)")
     b.add_argument("--datasets", default="gsm8k", help="comma list of gsm8k, math500, aime, humaneval, mtbench")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,jetflow",
                    help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, eagle3, "
-                        "torch-ar, torch-jetflow (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
+                        "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")

@@ -33,6 +33,11 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     paths = dict(drafters)
     if paths.get("causal") == "auto":
         paths["causal"] = shipped_drafter(target.name)
+    if paths.get("native") == "auto":  # the shipped DFlash-compatible head
+        paths["native"] = shipped_drafter(f"{target.name}-dflash")
+    native = paths.pop("native", None) if any(m.name == "llama-dflash" for m in methods) else None
+    if native is not None and not Path(native).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {native}")
     heads = {}
     for kind, path in paths.items():
         if path is None or not any(m.head == kind for m in methods):
@@ -40,10 +45,11 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
         if not Path(path).is_dir():
             raise JetFlowError(f"drafter checkpoint directory not found: {path}")
         heads[kind] = load_drafter(path, target=target, device=target.device)
-    runner = MethodRunner(target, heads, width=width)
+    runner = MethodRunner(target, heads, width=width, native_drafter=native)
     for spec in methods:
         runner.check(spec)
-    settings = BenchSettings(target=target.name, drafters={k: str(v) for k, v in paths.items() if k in heads},
+    used = {k: str(v) for k, v in paths.items() if k in heads} | ({"native": str(native)} if native else {})
+    settings = BenchSettings(target=target.name, drafters=used,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
                              width=width, repeats=repeats)
     out = Path(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,21 +49,20 @@ def _number(pattern: str, text: str, kind=float):
 
 
 def run_speculative(target_gguf: str | Path, draft_gguf: str | Path, prompt_text: str, *, max_new_tokens: int,
-                    threads: int, n_ctx: int = 4096, tools: Path | None = None, timeout: float = 600) -> NativeRun:
-    """Greedy generation by llama.cpp's driver with the draft as ``draft-dflash`` (chain drafts of up
-    to block_size - 1 tokens)."""
+                    threads: int, n_draft: int = 15, n_ctx: int = 4096, flash_attn: bool = False,
+                    tools: Path | None = None, timeout: float = 600) -> NativeRun:
+    """Greedy generation by llama.cpp's driver with the draft as ``draft-dflash``: chain drafts of
+    ``n_draft`` tokens (at most block_size - 1; the driver's own default is 3)."""
     tools = tools or find_llama_tools()
     if tools is None:
         raise JetFlowError(f"{SPECULATIVE} is not built: run `make llama-tools` or set JETFLOW_LLAMA_TOOLS")
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt_text)
-    try:
-        cmd = [str(tools / SPECULATIVE), "-m", str(target_gguf), "-md", str(draft_gguf), "--spec-type", "draft-dflash",
-               "-f", f.name, "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads), "-td", str(threads),
-               "-c", str(n_ctx), "-b", str(n_ctx), "--no-warmup"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    finally:
-        os.unlink(f.name)
+    # -p with --no-escape: `-f` drops a final newline and escape processing rewrites backslashes,
+    # either of which would tokenize a different prompt than the one given
+    cmd = [str(tools / SPECULATIVE), "-m", str(target_gguf), "-md", str(draft_gguf), "--spec-type", "draft-dflash",
+           "-p", prompt_text, "--no-escape", "-n", str(max_new_tokens), "--temp", "0",
+           "--spec-draft-n-max", str(n_draft), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-b", str(n_ctx),
+           "-fa", "on" if flash_attn else "off"]  # as the reference run: attention kernels change the numbers
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise JetFlowError(f"{SPECULATIVE} failed (rc={proc.returncode}):\n{proc.stderr[-2000:]}")
     out, err = proc.stdout, proc.stderr

@@ -15,6 +15,10 @@
     jetflow        causal head, best-first tree
     jetflow-chain  causal head, chain
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
+    llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
+                   llama-tools``) with a DFlash-compatible causal head exported by ``export-gguf``:
+                   chain drafts of block_size - 1 tokens (llama.cpp only). Its tokens are the
+                   generated text tokenized again; its time is the driver's prompt + decode time.
 
 Every method returns a :class:`GenerationResult` whose ``stats`` hold ``rounds`` (target forwards
 after the prefill) and, for the drafters, ``accept_lengths`` per round (bonus token included).
@@ -23,8 +27,10 @@ after the prefill) and, for the drafters, ``accept_lengths`` per round (bonus to
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
@@ -57,6 +63,7 @@ METHODS = {m.name: m for m in [
     MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
+    MethodSpec("llama-dflash", None, False, backend="llamacpp"),
 ]}
 
 
@@ -80,8 +87,11 @@ class MethodRunner:
     """Runs one method on one prompt. Heads are given per attention kind; a method whose head kind
     is missing, has the wrong attention, or needs another backend is refused up front."""
 
-    def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7):
+    def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7,
+                 native_drafter: str | Path | None = None):
         self.target, self.width, self.heads = target, width, heads
+        self.native_drafter = native_drafter  # checkpoint dir llama-dflash exports and runs
+        self._native_gguf = None
         self.decoders = {}
         for kind, head in heads.items():
             have = "eagle3" if head.kind == "eagle3" else head.config.attention
@@ -100,6 +110,14 @@ class MethodRunner:
             raise JetFlowError(f"method {spec.name!r} is transformers' generate: it needs --backend torch")
         if spec.backend == "llamacpp" and self.target.backend != "llamacpp":
             raise JetFlowError(f"method {spec.name!r} needs the llama.cpp backend (--backend llamacpp)")
+        if spec.name == "llama-dflash":
+            from jetflow.eval.llama_tools import find_llama_tools
+
+            if find_llama_tools() is None:
+                raise JetFlowError("method 'llama-dflash' needs llama.cpp's speculative driver: run `make llama-tools` "
+                                   "or set JETFLOW_LLAMA_TOOLS to the directory holding llama-speculative-simple")
+            if self.native_drafter is None:
+                raise JetFlowError("method 'llama-dflash' needs a DFlash-compatible causal head: pass --native-drafter")
 
     def run(self, spec: MethodSpec, prompt, *, budget: int | None, max_new_tokens: int,
             temperature: float = 0.0, seed: int | None = None, chat: bool = True) -> GenerationResult:
@@ -113,6 +131,8 @@ class MethodRunner:
             return self._hf_generate(prompt, spec.name, request)
         if spec.name == "llama-ar":
             return self._llama_generate(prompt, request)
+        if spec.name == "llama-dflash":
+            return self._native_generate(prompt, request)
         if spec.name == "lookup":
             if self._lookup is None:
                 self._lookup = jetflow.JetFlow(self.target, drafter=LookupDrafter(self.target))
@@ -154,6 +174,33 @@ class MethodRunner:
         result.stats = {"rounds": max(0, result.new_tokens - 1)}
         return result
 
+    def _native_generate(self, prompt, request: dict) -> GenerationResult:
+        from jetflow.eval.llama_tools import run_speculative
+        from jetflow.export.gguf import export_gguf
+        from jetflow.models.checkpoint import load_drafter
+
+        if request["temperature"] > 0:
+            raise JetFlowError("llama-dflash runs llama.cpp's driver greedily; use --temperature 0")
+        if self._native_gguf is None:  # exported once per run, next to nothing the user keeps
+            self._native_dir = tempfile.TemporaryDirectory(prefix="jetflow-native-")
+            self._native_gguf = export_gguf(self.native_drafter, Path(self._native_dir.name) / "draft.gguf",
+                                            self.target.gguf, target=self.target)
+            self._native_block = load_drafter(self.native_drafter).config.block_size
+        prompt_ids, _, output = prepare_request(self.target, prompt, **request)
+        tokenizer = self.target.tokenizer
+        run = run_speculative(self.target.gguf, self._native_gguf, tokenizer.decode(prompt_ids),
+                              max_new_tokens=output.max_new_tokens, threads=self.target.n_threads,
+                              n_draft=self._native_block - 1, n_ctx=self.target.max_context,
+                              flash_attn=self.target.flash_attn)
+        tokens = tokenizer.encode(run.text, add_special_tokens=False)
+        if run.n_predict <= output.max_new_tokens and len(tokens) < output.max_new_tokens:
+            tokens.append(run_stop_token(tokenizer, output.stop_token_ids))  # it stopped on an end-of-generation token
+        output.add_many(tokens)
+        result = GenerationResult.from_output(output, len(prompt_ids), run.encode_s + run.decode_s, run.encode_s,
+                                              method="llama-dflash")
+        result.stats = {"rounds": max(1, run.n_predict - run.n_accept)}  # each round adds its accepted tokens + 1
+        return result
+
     @torch.inference_mode()
     def _hf_generate(self, prompt, name: str, request: dict) -> GenerationResult:
         """transformers' own ``generate`` on the same model object and prompt ids; the target
@@ -183,3 +230,9 @@ class MethodRunner:
         result = GenerationResult.from_output(output, len(prompt_ids), seconds, 0.0, method=name)
         result.stats = {"rounds": max(0, forwards[0] - 1)}
         return result
+
+
+def run_stop_token(tokenizer, stop_ids: set[int]) -> int:
+    """The end-of-generation token a driver that prints only text stopped on (its eos, if a stop id)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if eos in stop_ids else min(stop_ids)
