@@ -17,7 +17,7 @@
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
     llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
                    llama-tools``) with a DFlash-compatible causal head exported by ``export-gguf``:
-                   chain drafts of block_size - 1 tokens (llama.cpp only). Its tokens are the
+                   chain drafts of 3 tokens, the driver's default (llama.cpp only). Its tokens are the
                    generated text tokenized again; its time is the driver's prompt + decode time.
 
 Every method returns a :class:`GenerationResult` whose ``stats`` hold ``rounds`` (target forwards
@@ -45,6 +45,7 @@ from jetflow.models.draft_head import DraftHead
 from jetflow.models.resolve import is_known_model
 
 PLD_TOKENS = 10  # prompt-lookup candidates per step (transformers' usual setting)
+NATIVE_DRAFT = 3  # llama-dflash draft length: llama.cpp's own default (--spec-draft-n-max); 15 runs at 0.2x here
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class MethodRunner:
         tokenizer = self.target.tokenizer
         run = run_speculative(self.target.gguf, self._native_gguf, tokenizer.decode(prompt_ids),
                               max_new_tokens=output.max_new_tokens, threads=self.target.n_threads,
-                              n_draft=self._native_block - 1, n_ctx=self.target.max_context,
+                              n_draft=min(NATIVE_DRAFT, self._native_block - 1), n_ctx=self.target.max_context,
                               flash_attn=self.target.flash_attn)
         tokens = tokenizer.encode(run.text, add_special_tokens=False)
         if run.n_predict <= output.max_new_tokens and len(tokens) < output.max_new_tokens:
