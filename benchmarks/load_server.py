@@ -1,8 +1,9 @@
 """Load test for `jetflow serve`: N concurrent streaming clients for a bounded time.
 
     jetflow serve --max-queue 64 &            # in another shell
-    python benchmarks/load_server.py --url http://127.0.0.1:8000 --clients 32 --seconds 120 --out result.json
+    python benchmarks/load_server.py --url http://127.0.0.1:8000 --clients 1,8,32 --seconds 120 --out result.json
 
+With several client counts (comma list) the windows run one after another against the same server.
 Each client loops: send a streaming chat request (a GSM8K test question, greedy, --max-tokens), read
 the stream to [DONE], repeat, until the time is up (requests in flight then finish). Prints requests/s,
 tokens/s, latency and time-to-first-token percentiles, and counts of every non-200 status and
@@ -74,9 +75,12 @@ async def main_async(args):
     start = time.perf_counter()
     deadline = start + args.seconds
     await asyncio.gather(*[client(i, args, questions, deadline, results, statuses) for i in range(args.clients)])
+    batch_before = args.batch_counts
     wall = time.perf_counter() - start
     async with httpx.AsyncClient(base_url=args.url) as http:
         metrics = (await http.get("/metrics")).text
+    args.batch_counts = histogram_sums(metrics, ("jetflow_batch_size", "jetflow_tokens_per_forward"))
+    steps = {k: args.batch_counts[k] - batch_before.get(k, 0.0) for k in args.batch_counts}
     lat = [r["latency"] for r in results]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     taus = [r["tau"] for r in results if r["tau"] is not None]
@@ -87,9 +91,24 @@ async def main_async(args):
         "latency_s": {"p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "mean": statistics.mean(lat) if lat else None},
         "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "mean_tau": statistics.mean(taus) if taus else None,
+        # the server's batched steps in this window (absent when it serves one request at a time)
+        "mean_batch_size": (steps["jetflow_batch_size_sum"] / steps["jetflow_batch_size_count"]
+                            if steps.get("jetflow_batch_size_count") else None),
+        "mean_tokens_per_forward": (steps["jetflow_tokens_per_forward_sum"] / steps["jetflow_tokens_per_forward_count"]
+                                    if steps.get("jetflow_tokens_per_forward_count") else None),
         "statuses": {str(k): v for k, v in statuses.items()}, "server_errors_5xx": server_errors,
         "server_metrics_tail": [line for line in metrics.splitlines() if line.startswith("jetflow_requests_total")],
     }
+
+
+def histogram_sums(metrics: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The _sum and _count lines of the named histograms in a /metrics page."""
+    out = {}
+    for line in metrics.splitlines():
+        key, _, value = line.partition(" ")
+        if any(key in (f"{n}_sum", f"{n}_count") for n in names):
+            out[key] = float(value)
+    return out
 
 
 def main():
@@ -97,12 +116,20 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--clients", default="32", help="client count, or a comma list run one window after another")
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = asyncio.run(main_async(args))
+    counts = [int(c) for c in args.clients.split(",")]
+    args.batch_counts = {}
+    windows = []
+    for n in counts:
+        args.clients = n
+        windows.append(asyncio.run(main_async(args)))
+        print(json.dumps({k: windows[-1][k] for k in ("clients", "tokens_per_s", "latency_s", "ttft_s", "mean_batch_size",
+                                                      "server_errors_5xx")}), flush=True)
+    result = windows[0] if len(windows) == 1 else {"windows": windows}
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:

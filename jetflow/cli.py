@@ -44,7 +44,8 @@ def _load_jetflow(args):
     if drafter.lower() not in ("none", "auto") and not Path(drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
-                                   n_threads=args.threads, budget=args.budget, width=args.width)
+                                   n_threads=args.threads, budget=args.budget, width=args.width,
+                                   lookup=not args.no_lookup)
 
 
 def _comparison(spec, ar, drafter) -> str:
@@ -138,7 +139,7 @@ def cmd_regenerate(args) -> int:
     prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix)
     if not prompts:
         raise JetFlowError(f"no prompts loaded from {args.prompts!r}")
-    target = _load_jetflow_target(args, training=True)
+    target = _load_jetflow_target(args)  # either backend: regeneration only generates
     manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
                           sources=args.prompts, mix=mix, answers=args.answers)
@@ -226,8 +227,11 @@ def cmd_bench(args) -> int:
     budgets = _budget_list(args.budgets)
     if args.temperature < 0:
         raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
-    datasets = {name: load_eval_set(name, args.limit) for name in dict.fromkeys(
-        d.strip() for d in args.datasets.split(",") if d.strip())}
+    loaded = [load_eval_set(name, args.limit) for name in dict.fromkeys(
+        d.strip() for d in args.datasets.split(",") if d.strip())]
+    datasets = {prompts[0].dataset: prompts for prompts in loaded}  # a .jsonl file is named after its stem
+    if len(datasets) < len(loaded):
+        raise JetFlowError("two --datasets have the same name (a .jsonl file is named after its file name stem)")
     if not datasets:
         raise JetFlowError("--datasets names no evaluation set")
     target = _load_jetflow_target(args)
@@ -247,10 +251,15 @@ def cmd_serve(args) -> int:
 
     from jetflow.serve.server import serve
 
+    if args.backend == "auto" and args.max_batch > 1:
+        # Many clients: the torch runtime batches (a 32-token forward costs ~3 one-token steps on a
+        # CPU), llama.cpp's batched kernels barely do; --backend llamacpp serves one request at a time.
+        args.backend = "torch"
     jf = _load_jetflow(args)
     serve(jf, host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
-          max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+          max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          max_batch=args.max_batch)
     return 0
 
 
@@ -296,7 +305,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _load_jetflow_target(args, training: bool = False):
     """The target on the chosen backend; ``training``: a command that needs the torch backend's
-    training forwards (regenerate, train, cache-teacher, eval-offline)."""
+    training forwards (train, cache-teacher, eval-offline)."""
     from jetflow.models.loading import load_target
 
     device, dtype = _device_and_dtype(args)
@@ -333,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "machine's cost curve and the acceptance so far (default: 16 on torch, the best fixed budget "
                         "on a 2-core CPU; auto on llama.cpp, where verifying is dearer)")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
+    g.add_argument("--no-lookup", action="store_true",
+                   help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--compare", action="store_true",
@@ -441,10 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--native-drafter", default="auto",
                    help="DFlash-compatible causal head that llama-dflash exports to GGUF and runs in llama.cpp's own "
                         "speculative driver (default: the shipped <target>-dflash head)")
-    b.add_argument("--datasets", default="gsm8k", help="comma list of gsm8k, math500, aime, humaneval, mtbench")
+    b.add_argument("--datasets", default="gsm8k",
+                   help="comma list of gsm8k, math500, aime, humaneval, mtbench, and .jsonl files of your own prompts "
+                        "(fields prompt / question / turns / messages, optional id and category)")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,jetflow",
-                   help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, eagle3, "
+                   help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, eagle3, "
                         "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
@@ -462,8 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft nodes per round, or 'auto' (default): chosen every round from this machine's cost "
                         "curve and the acceptance seen so far")
     v.add_argument("--width", type=_positive_int, default=7)
+    v.add_argument("--no-lookup", action="store_true",
+                   help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_non_negative_int, default=8000)
+    v.add_argument("--max-batch", type=_positive_int, default=32,
+                   help="requests decoded together, continuously batched: each step verifies all their draft trees "
+                        "in one forward (torch backend; 1 = one request at a time; llama.cpp serves one at a time)")
     v.add_argument("--max-queue", type=_positive_int, default=16,
                    help="requests allowed to wait for the generation worker; more get 429 + Retry-After")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (or set "

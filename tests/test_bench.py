@@ -161,3 +161,30 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
 def test_bench_bad_input(tiny_dir, tmp_path, capsys, extra, message):
     assert main(["bench", "--target", str(tiny_dir), "--out", str(tmp_path / "o"), "--limit", "1"] + extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "t1", "prompt": "Translate: bonjour le monde", "category": "translate"},
+        {"question": "What is 2+2?", "category": "math"},
+        {"turns": ["Write a haiku.", "Now another."], "category": "writing"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarize: a b c"}],
+         "category": "translate"},
+    ]) + "\n")
+    args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--datasets", str(prompts),
+            "--methods", "ar,jetflow,jetflow-lookup", "--budgets", "4", "--max-new-tokens", "6", "--no-cost-model",
+            "--out", str(tmp_path / "b")]
+    assert main(args) == 0
+    run = json.loads((tmp_path / "b" / "runs" / "mine__jetflow-lookup__b4.json").read_text())
+    cats = run["summary"]["by_category"]
+    assert sorted(cats) == ["math", "translate", "writing"] and cats["translate"]["prompts"] == 2
+    assert cats["writing"]["turns"] == 2 and all(c["mismatches"] == [] for c in cats.values())
+    assert sum(c["new_tokens"] for c in cats.values()) == run["summary"]["new_tokens"]
+    md = (tmp_path / "b" / "summary.md").read_text()
+    assert "## Per category" in md and "| mine | jetflow-lookup | 4 | translate | 2 |" in md
+    capsys.readouterr()
+    prompts.write_text(json.dumps({"question": "What is 3+3?"}) + "\n")  # edited file: runs are redone
+    assert main(args) == 0
+    run = json.loads((tmp_path / "b" / "runs" / "mine__ar.json").read_text())
+    assert run["summary"]["prompts"] == 1 and "by_category" not in run["summary"]

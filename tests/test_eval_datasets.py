@@ -1,5 +1,8 @@
 """The benchmark's evaluation sets, read offline from their PyPI packages."""
 
+import json
+import re
+
 import pytest
 
 from jetflow.errors import JetFlowError
@@ -35,3 +38,48 @@ def test_aliases_and_unknown_names():
     assert not set(EVAL_SETS) & set(SOURCES)  # test questions are never a training source
     with pytest.raises(JetFlowError, match="unknown evaluation set 'nope'; known: gsm8k"):
         load_eval_set("nope")
+
+
+def test_jsonl_prompts_all_fields(tmp_path):
+    from jetflow.eval.datasets import load_eval_set
+
+    path = tmp_path / "own.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "def f(x):", "chat": False, "id": "code-1", "category": "code"},
+        {"question": "Why is the sky blue?"},
+        {"turns": ["Hi", "And then?"]},
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                      {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"},
+                      {"role": "assistant", "content": "recorded answer, dropped"}]},
+    ]) + "\n\n")
+    ps = load_eval_set(str(path))
+    assert [p.dataset for p in ps] == ["own"] * 4 and ps[0].id == "code-1" and ps[1].id == "own/2"
+    assert ps[0].request() == "def f(x):" and ps[0].category == "code" and ps[1].category is None
+    assert ps[1].request() == [{"role": "user", "content": "Why is the sky blue?"}]
+    assert ps[2].request(["Hello"]) == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                        {"role": "user", "content": "And then?"}]
+    assert ps[3].request() == [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                               {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    assert len(load_eval_set(str(path), limit=2)) == 2
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"answer": "x"}', "expected one of the fields messages, prompt, question, problem (or 'turns'"),
+    ('{"prompt": ""}', "'prompt' must be a non-empty string"),
+    ('{"turns": []}', "'turns' must be a non-empty list"),
+    ('{"turns": ["a", 3]}', "'turns' must be a non-empty list"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "'messages' has no user message"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "each message needs string 'role' and 'content'"),
+    ('{"question": "q", "category": 3}', "'category' must be a string"),
+    ('{"turns": ["a", "b"], "chat": false}', "a raw-text prompt"),
+    ('{"question": "q"', "own.jsonl:1"),
+])
+def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
+    from jetflow.eval.datasets import load_eval_set
+
+    path = tmp_path / "own.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(JetFlowError, match=re.escape(message)):
+        load_eval_set(str(path))
+    with pytest.raises(JetFlowError, match="prompt file not found"):
+        load_eval_set(str(tmp_path / "missing.jsonl"))

@@ -191,3 +191,26 @@ def test_greedy_jetflow_equals_llama_api(llama_target, prompt):
     ref, _, _ = llama_greedy(llm, ids, 64, llama_target.stop_token_ids())
     assert ours.token_ids == ref
     assert ours.stats["tau"] > 1.5
+
+
+@needs_llamacpp
+def test_generate_batch_equals_llama_greedy_per_prompt():
+    """Regeneration on llama.cpp: several sequences per decode, finished slots refilled, answers in
+    prompt order and equal to each prompt decoded alone by llama-cpp-python's Llama."""
+    from jetflow.eval.llama_reference import llama_greedy, open_llama
+    from jetflow.models.loading import load_target
+
+    target = load_target("smollm2-135m-instruct", backend="llamacpp", n_threads=2)
+    questions = ["What is 7 times 8?", "Name a color.", "Write one sentence about the sea.", "Say hi.",
+                 "What is the capital of France?"]
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False) for q in questions]
+    answers = target.generate_batch(prompts, 24, slots=3)  # 5 prompts through 3 slots: refills happen
+    llm = open_llama(target.gguf, n_threads=2)
+    stops = target.stop_token_ids()
+    for ids, answer in zip(prompts, answers):
+        assert answer == llama_greedy(llm, ids, 24, stops)[0]
+    assert all(a[-1] in stops for a in answers if len(a) < 24)  # a short answer ends on its stop token
+    from jetflow.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        target.generate_batch([[]], 4)

@@ -257,3 +257,43 @@ def test_real_mix(sharegpt, monkeypatch):
     got = load_prompts(spec, num=1000, seed=0, mix=mix)
     assert Counter(p.source for p in got) == {"gsm8k-train": 500, "math-train": 300, "sharegpt": 200}
     assert got == load_prompts(spec, num=1000, seed=0, mix=mix)
+
+
+def _conv(*turns):
+    return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+FAKE_SHAREGPT = [
+    _conv(("human", "only one turn"), ("gpt", "reply one")),
+    _conv(("human", "u1"), ("gpt", "a1"), ("human", "u2"), ("gpt", "a2")),
+    _conv(("human", "u1"), ("gpt", "a1"), ("human", "u2"), ("gpt", "a2"), ("human", "u3"), ("gpt", "a3"),
+          ("human", "u4"), ("gpt", "a4"), ("human", "u5")),
+    _conv(("human", "u1"), ("gpt", "a1"), ("human", "u2"), ("human", "again")),  # two user turns in a row
+    _conv(("system", "note"), ("human", "u1"), ("gpt", "a1"), ("human", "u2")),
+    "not a conversation",
+    _conv(("human", "q"), ("gpt", "x" * 500)),
+    _conv(("human", "q"), ("gpt", "z" * 800)),
+    _conv(("human", "q"), ("gpt", "y" * 100)),  # too short for a document
+    _conv(("human", "q"), ("gpt", "w" * 800)),  # in the last 20%: left to the benchmarks
+]
+
+
+def test_sharegpt_multi_turn(monkeypatch):
+    monkeypatch.setattr(P, "sharegpt_conversations", lambda source="sharegpt": FAKE_SHAREGPT)
+    got = {p.id: p.messages for p in P.load_sharegpt_multi()}
+    assert got == {
+        "sharegpt-multi/1": (("user", "u1"), ("assistant", "a1"), ("user", "u2")),
+        "sharegpt-multi/2": (("user", "u1"), ("assistant", "a1"), ("user", "u2"), ("assistant", "a2"),
+                             ("user", "u3"), ("assistant", "a3"), ("user", "u4")),  # at most 4 user turns
+        "sharegpt-multi/3": (("user", "u1"), ("assistant", "a1"), ("user", "u2")),
+    }
+
+
+def test_documents_from_the_first_part_of_sharegpt(monkeypatch):
+    monkeypatch.setattr(P, "sharegpt_conversations", lambda source="sharegpt": FAKE_SHAREGPT)
+    docs = P.load_documents()
+    assert [p.id for p in docs] == ["documents/6", "documents/7"]
+    assert docs[0].messages == (("user", P.DOCUMENT_TASKS[0][1].format(text="x" * 500)),)
+    assert docs[1].messages == (("user", P.DOCUMENT_TASKS[1][1].format(text="z" * 800)),)
+    assert {kind for kind, _ in P.DOCUMENT_TASKS} >= {"summarize", "translate", "proofread", "extract"}
+    assert "sharegpt-multi" in P.SOURCES and "documents" in P.SOURCES

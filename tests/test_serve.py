@@ -81,7 +81,7 @@ def stop(proc) -> int:
 @pytest.fixture(scope="module")
 def server(endless_dir, tmp_path_factory):
     proc, base = start_server(endless_dir / "target", endless_dir / "head", "--budget", "8", "--width", "3",
-                              "--api-key", KEY, "--model-name", "tiny", "--max-queue", "2",
+                              "--api-key", KEY, "--model-name", "tiny", "--max-queue", "2", "--max-batch", "1",
                               "--max-body-bytes", "20000", cache=tmp_path_factory.mktemp("cache"))
     yield base
     assert stop(proc) == 0
@@ -248,8 +248,88 @@ def test_smollm2_server_with_the_shipped_drafter(tmp_path):
         c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         msgs = [{"role": "user", "content": "What is 12 times 7?"}]
         got = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48, temperature=0)
-        want = jetflow.generate(load_target("smollm2-135m-instruct"), msgs, max_new_tokens=48)  # same backend
+        # serve runs the torch backend when it batches (the default)
+        want = jetflow.generate(load_target("smollm2-135m-instruct", backend="torch"), msgs, max_new_tokens=48)
         assert got.choices[0].message.content == want.text
         assert got.model_extra["jetflow"]["tau"] > 1.2
     finally:
         assert stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def batched(endless_dir, tmp_path_factory):
+    proc, base = start_server(endless_dir / "target", endless_dir / "head", "--width", "3", "--max-batch", "4",
+                              "--max-queue", "8", cache=tmp_path_factory.mktemp("cache"))  # --budget auto
+    yield base
+    assert stop(proc) == 0
+
+
+def test_batched_server_outputs_equal_solo_decoding(batched, endless_dir):
+    """Seven concurrent requests (some streamed, different lengths, one sampled with a seed) through
+    a batch of at most 4: each output equals the same request decoded alone."""
+    import jetflow
+    from jetflow.models.target import TargetModel
+
+    target = TargetModel.load(str(endless_dir / "target"))
+    asks = [("Tell me", 30, False), ("Once", 12, True), ("A story about the sea", 40, False), ("Hi", 5, True),
+            ("Why", 25, False), ("List three", 18, True), ("x" * 40, 22, False)]
+
+    async def ask(c, text, n, stream, **kw):
+        body = {"model": "target", "messages": [{"role": "user", "content": text}], "max_tokens": n,
+                "temperature": 0, "stream": stream, **kw}
+        if not stream:
+            r = await c.post(batched + "/v1/chat/completions", json=body)
+            return r.json()["choices"][0]["message"]["content"]
+        parts = []
+        async with c.stream("POST", batched + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choices = json.loads(line[6:])["choices"]
+                    parts += [ch["delta"].get("content") or "" for ch in choices]
+        return "".join(parts)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            sampled = ask(c, "Tell me", 20, False, temperature=0.9, seed=11)
+            return await asyncio.gather(*[ask(c, *a) for a in asks], sampled)
+
+    *texts, sampled = asyncio.run(main())
+    for (text, n, _), got in zip(asks, texts):
+        assert got == jetflow.generate(target, [{"role": "user", "content": text}], max_new_tokens=n).text
+    alone = httpx.post(batched + "/v1/chat/completions", timeout=60, json={
+        "model": "target", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 20,
+        "temperature": 0.9, "seed": 11}).json()["choices"][0]["message"]["content"]
+    assert sampled == alone  # seeded sampling: the same alone and in a busy batch
+    sizes = {line.split()[0]: float(line.split()[1]) for line in httpx.get(batched + "/metrics").text.splitlines()
+             if line.startswith("jetflow_batch_size_")}
+    assert sizes['jetflow_batch_size_bucket{le="1"}'] < sizes["jetflow_batch_size_count"]  # steps with >1 request
+    assert metric(batched, "jetflow_tokens_per_forward_count") == sizes["jetflow_batch_size_count"]
+
+
+def test_batched_server_cancels_on_disconnect_and_drains_on_sigterm(endless_dir, tmp_path):
+    proc, base = start_server(endless_dir / "target", endless_dir / "head", "--budget", "4", "--max-batch", "4",
+                              cache=tmp_path)
+    out = {}
+
+    async def long_request(key, n):
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(base + "/v1/completions", json={"model": "target", "prompt": key, "max_tokens": n})
+            out[key] = (r.status_code, r.json())
+
+    async def main():
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=30,
+                          json={**CHAT, "model": "target", "max_tokens": 450, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")  # a client that leaves early
+        deadline = time.time() + 20
+        while metric(base, "jetflow_cancelled_total") < 1 and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        assert metric(base, "jetflow_cancelled_total") == 1
+        tasks = [asyncio.create_task(long_request(k, n)) for k, n in (("go", 300), ("run", 200))]
+        await asyncio.sleep(0.5)  # both are running, in one batch
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert proc.wait(timeout=60) == 0
+    assert out["go"][0] == 200 and out["go"][1]["usage"]["completion_tokens"] == 300
+    assert out["run"][0] == 200 and out["run"][1]["usage"]["completion_tokens"] == 200

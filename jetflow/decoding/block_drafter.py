@@ -73,6 +73,9 @@ class BlockDrafter:
                                for (k, v), (nk, nv) in zip(self.context_kv, new)]
         self.context_len += features.shape[0]
 
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        pass  # a head's drafts do not depend on how earlier rounds went
+
     def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> BlockProposal:
         """The round's draft: one head forward; ``room`` caps the depth (context end), and so does
         ``max_nodes`` (a tree of n nodes is at most n deep: a causal head skips the deeper slots)."""

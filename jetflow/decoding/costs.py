@@ -123,6 +123,8 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
            "budgets": list(budgets), "context": context, "backend": target.backend,
            "backend_threads": getattr(target, "n_threads", None), "int8": getattr(drafter, "int8", False),
            "attention": c.attention}
+    if getattr(drafter, "lookup", False):  # only when set, so costs measured before lookup existed still apply
+        key["lookup"] = True
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"costs-{digest}.json"
     if path.is_file():

@@ -13,6 +13,7 @@ import torch
 
 from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.decoding.eagle_drafter import EagleDrafter
+from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead
 from jetflow.tree.build import DraftTree
@@ -38,12 +39,17 @@ class Drafter(Protocol):
         ``width`` candidates per node; trees of at most ``max_nodes`` nodes will be taken from it
         (a drafter may skip work for deeper levels)."""
 
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """The verified tree and the accepted path (root first) of the round just proposed."""
+
 
 DRAFTERS: dict[str, type[Drafter]] = {"block": BlockDrafter, "eagle3": EagleDrafter}  # head kind -> its runner
 
 
-def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False) -> Drafter:
+def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False, lookup: bool = False) -> Drafter:
     """The decoding-time runner of a head: one block forward per round, or EAGLE's D forwards.
-    ``int8``: run a block head's matmuls with int8 weights (the lean CPU draft)."""
+    ``int8``: run a block head's matmuls with int8 weights (the lean CPU draft). ``lookup``: merge
+    prompt-lookup candidates into its trees (decoding/mixed_drafter.py)."""
     options = {"int8": int8} if head.kind == "block" else {}  # EAGLE's sequential forwards stay float
-    return DRAFTERS[head.kind](head, target, **options)
+    drafter = DRAFTERS[head.kind](head, target, **options)
+    return MixedDrafter(drafter, target) if lookup else drafter

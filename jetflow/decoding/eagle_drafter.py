@@ -92,6 +92,9 @@ class EagleDrafter:
         self.kv_len = upto
 
     @torch.inference_mode()
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        pass  # a head's drafts do not depend on how earlier rounds went
+
     def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> RankedProposal:
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")

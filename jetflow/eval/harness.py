@@ -7,6 +7,7 @@ killed sweep resumes where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import sys
@@ -46,6 +47,8 @@ class BenchSettings:
         if spec.head is not None:
             key["drafter"] = self.drafters.get(spec.head)
             key["width"] = self.width if spec.tree else 1
+        if spec.name == "llama-dflash":
+            key["drafter"] = self.drafters.get("native")
         return key
 
 
@@ -75,17 +78,17 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
                 "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
                 "time_split": stats.get("time_split"), "mean_tree_size": stats.get("mean_tree_size"),
                 "finish_reason": result.finish_reason,
-                "token_ids": result.token_ids,
+                "token_ids": result.token_ids, "category": prompt.category,
             })
             answers.append(result.text)
     return records
 
 
 def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
-              equal_to: list[dict] | None = None) -> dict:
+              equal_to: list[dict] | None = None, by_category: bool = True) -> dict:
     """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
     llama-ar on llama.cpp): the speed-up's denominator; ``equal_to`` the run whose outputs this one
-    must reproduce (default: ``reference``)."""
+    must reproduce (default: ``reference``). Prompts with a category also get a summary per category."""
     tokens = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     rounds = sum(r["rounds"] for r in records)
@@ -120,6 +123,13 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         same = {(r["id"], r["turn"]): r["token_ids"] for r in equal_to}
         out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
                              if same.get((r["id"], r["turn"])) != r["token_ids"]]
+    categories = sorted({r["category"] for r in records if r.get("category")})
+    if by_category and categories:
+        def part(rows, cat):
+            return None if rows is None else [r for r in rows if r.get("category") == cat]
+
+        out["by_category"] = {cat: summarize(part(records, cat), part(reference, cat), greedy, part(equal_to, cat),
+                                             by_category=False) for cat in categories}
     return out
 
 
@@ -167,7 +177,7 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
                 name = run_name(dataset, spec, budget)
-                key = settings.run_key(spec, dataset, budget, [p.id for p in prompts])
+                key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)])
 
                 def compute(spec=spec, budget=budget):
                     if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
@@ -189,6 +199,14 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                           f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
                 runs.append(run)
     return runs
+
+
+def prompts_digest(prompts: list[EvalPrompt]) -> str:
+    """A digest of the prompts' content: a stored run is not reused once a prompt file is edited."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.turns, p.chat, p.history, p.category]).encode())
+    return h.hexdigest()[:16]
 
 
 def typical_context(runs: list[dict]) -> int:

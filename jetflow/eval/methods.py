@@ -13,6 +13,7 @@
     dflash         bidirectional head, chain (width 1, one path of block_size - 1 drafts)
     ddtree         bidirectional head, best-first tree
     jetflow        causal head, best-first tree
+    jetflow-lookup causal head and prompt lookup merged into one tree (JetFlow's default drafting)
     jetflow-chain  causal head, chain
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
     llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
@@ -61,6 +62,7 @@ METHODS = {m.name: m for m in [
     MethodSpec("ar", None, False), MethodSpec("hf", None, False), MethodSpec("pld", None, False),
     MethodSpec("dflash", "bidirectional", False), MethodSpec("ddtree", "bidirectional", True),
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
+    MethodSpec("jetflow-lookup", "causal", True),
     MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
@@ -99,7 +101,8 @@ class MethodRunner:
             if have != kind:
                 raise JetFlowError(f"the {kind} methods need a {kind} head; the given one ({HEAD_FLAGS[kind]}) "
                                    f"is {have}")
-            self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype))
+            self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype), lookup=False)
+        self._mixed = None  # the causal head with prompt lookup merged in (jetflow-lookup)
         self._lookup = None
         self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
         self._torch = None  # (torch twin target, its causal-head decoder or None)
@@ -138,7 +141,14 @@ class MethodRunner:
             if self._lookup is None:
                 self._lookup = jetflow.JetFlow(self.target, drafter=LookupDrafter(self.target))
             return self._lookup.generate(prompt, budget=self._lookup.drafter.max_draft, width=1, **request)
-        decoder = self._torch_twin()[1] if spec.name == "torch-jetflow" else self.decoders[spec.head]
+        if spec.name == "torch-jetflow":
+            decoder = self._torch_twin()[1]
+        elif spec.name == "jetflow-lookup":
+            if self._mixed is None:
+                self._mixed = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=True)
+            decoder = self._mixed
+        else:
+            decoder = self.decoders[spec.head]
         decoder.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers
         if spec.name == "torch-jetflow":  # at the torch runtime's own default budget
             return decoder.generate(prompt, width=self.width, **request)
@@ -157,7 +167,8 @@ class MethodRunner:
                 spec = self.target.name if is_known_model(self.target.name) else str(self.target.gguf)
                 twin = TargetModel.load(spec)
                 head = self.heads.get("causal")
-                self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype)) if head else None)
+                self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype), lookup=False)
+                               if head else None)
         return self._torch
 
     def _llama_generate(self, prompt, request: dict) -> GenerationResult:

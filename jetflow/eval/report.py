@@ -51,6 +51,15 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
               "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         lines.append(_row(run, run["dataset"], run["method"]))
+    categorized = [r for r in runs if r["summary"].get("by_category")]
+    if categorized:
+        lines += ["", "## Per category", "",
+                  "| dataset | method | budget | category | prompts | tau | tok/s | speed-up | identical to reference |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for run in sorted(categorized, key=lambda r: (r["dataset"], _order(r["method"]), str(r["budget"]))):
+            for cat, s in run["summary"]["by_category"].items():
+                lines.append(f"| {run['dataset']} | {run['method']} | {_budget_cell(run)} | {cat} | {s['prompts']} | "
+                             f"{s['tau']:.2f} | {s['tokens_per_s']:.1f} | {s.get('speedup', 1):.2f}x | {_same(s)} |")
     splits = [r for r in runs if r["summary"].get("ms_per_round")]
     if splits:
         phases = list(splits[0]["summary"]["ms_per_round"])
@@ -83,8 +92,8 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
     return "\n".join(lines) + "\n"
 
 
-ORDER = ["llama-ar", "ar", "hf", "pld", "lookup", "torch-ar", "torch-jetflow", "dflash", "ddtree", "eagle3",
-         "jetflow-chain", "jetflow"]
+ORDER = ["llama-ar", "ar", "hf", "pld", "lookup", "torch-ar", "torch-jetflow", "llama-dflash", "dflash", "ddtree",
+         "eagle3", "jetflow-chain", "jetflow", "jetflow-lookup"]
 
 
 def _order(method: str) -> int:
@@ -93,10 +102,14 @@ def _order(method: str) -> int:
 
 def _row(run: dict, dataset: str, method: str) -> str:
     s = run["summary"]
-    same = "-" if "mismatches" not in s else ("yes" if not s["mismatches"] else f"**NO ({len(s['mismatches'])})**")
     per = s.get("speedup_per_prompt_mean")
     return (f"| {dataset} | {method} | {_budget_cell(run)} | {s['tau']:.2f} | {s['tokens_per_s']:.1f} | "
-            f"{s.get('speedup', 1):.2f}x | {'-' if per is None else f'{per:.2f}x'} | {same} |")
+            f"{s.get('speedup', 1):.2f}x | {'-' if per is None else f'{per:.2f}x'} | {_same(s)} |")
+
+
+def _same(s: dict) -> str:
+    """The 'identical to reference' cell of a summary."""
+    return "-" if "mismatches" not in s else ("yes" if not s["mismatches"] else f"**NO ({len(s['mismatches'])})**")
 
 
 def plots(runs: list[dict], out_dir: Path) -> list[Path]:

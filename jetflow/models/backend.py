@@ -78,6 +78,11 @@ class TargetBackend(Protocol):
 
     def extend(self, tokens, return_hidden: bool = False) -> TargetOutput: ...
 
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                       generator: torch.Generator | None = None) -> list[list[int]]:
+        """Answers to a batch of prompts, outside the decoding state (regeneration)."""
+        ...
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings of token ids [...] -> [..., H] (with any model-specific scaling)."""
 

@@ -382,6 +382,15 @@ class LlamaCppTarget:
         self.commit(range(ids.numel()))
         return out
 
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                       generator: torch.Generator | None = None, slots: int = 16) -> list[list[int]]:
+        """Answers to many prompts (regeneration of training data), ``slots`` sequences decoded
+        together in a context of their own (jetflow/models/llamacpp_batch.py)."""
+        from jetflow.models.llamacpp_batch import generate_many
+
+        return generate_many(self, [list(map(int, p)) for p in prompts], max_new_tokens, temperature, generator,
+                             slots=slots)
+
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             self._lib.llama_free(self._ctx)

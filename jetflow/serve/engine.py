@@ -1,5 +1,8 @@
-"""The generation worker: one thread owns the model and runs queued jobs one at a time, so the event
-loop never blocks on a forward pass and memory stays bounded by the queue length.
+"""The generation worker: one thread owns the model, so the event loop never blocks on a forward pass
+and memory stays bounded by the queue length. With ``max_batch`` > 1 (torch backend) it runs up to
+that many jobs together, continuously batched (jetflow/decoding/batch.py): jobs join and leave
+between two decoding steps, and each step verifies every job's draft tree in one forward. With
+``max_batch`` = 1 (or on llama.cpp) it runs one job at a time.
 
 A job's events (text deltas, then the result or an error) are handed to the event loop with
 ``call_soon_threadsafe``. Cancelling a job (client gone, shutdown) stops it between two decoding
@@ -27,7 +30,7 @@ class EngineStopped(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # hashed and compared by identity
 class Job:
     prompt_ids: list[int]
     request: dict  # keyword arguments of JetFlow.stream: max_new_tokens, temperature, top_p, seed, stop
@@ -44,15 +47,17 @@ class Job:
 
 
 class Engine:
-    def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None):
+    def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1):
         self.jetflow = jetflow
         self.metrics = metrics
+        self.max_batch = max_batch if jetflow.target.backend == "torch" else 1
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
-        self._current: Job | None = None
+        self._running: set[Job] = set()
         self.job_seconds = 1.0  # running mean of a job's duration (for Retry-After)
-        self._thread = threading.Thread(target=self._work, name="jetflow-engine", daemon=True)
+        work = self._work_batched if self.max_batch > 1 else self._work
+        self._thread = threading.Thread(target=work, name="jetflow-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -69,8 +74,13 @@ class Engine:
             raise QueueFull from None
         return job
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def retry_after(self) -> int:
-        return max(1, min(60, round(self.job_seconds * (self.queue_depth + 1))))
+        waves = (self.queue_depth + self.max_batch) // self.max_batch  # batches of jobs ahead of a new one
+        return max(1, min(60, round(self.job_seconds * waves)))
 
     def _work(self) -> None:
         while True:
@@ -80,7 +90,7 @@ class Engine:
             if job.cancelled.is_set():
                 job._emit("error", EngineStopped("cancelled before it started"))
                 continue
-            self._current = job
+            self._running.add(job)
             t0 = time.perf_counter()
             try:
                 events = self.jetflow.stream(job.prompt_ids, **job.request)
@@ -96,8 +106,77 @@ class Engine:
             except Exception as e:  # reported to the client as a 500; the worker keeps serving
                 job._emit("error", e)
             finally:
-                self._current = None
+                self._running.discard(job)
                 self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
+
+    def _work_batched(self) -> None:
+        from jetflow.decoding.api import prepare_request
+        from jetflow.decoding.batch import BatchDecoder, BatchRequest
+        from jetflow.decoding.load_budget import LoadBudget
+
+        jf = self.jetflow
+        head = jf.drafter.head if jf.drafter is not None else None
+        auto = jf.budget == "auto" and head is not None
+        decoder = BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft,
+                               load_budget=LoadBudget(jf.adaptive_budget().costs) if auto else None)
+        jobs: dict[int, tuple[BatchRequest, Job, float]] = {}  # id(request) -> (request, job, start time)
+        stopping = False
+
+        def settle(key: int) -> None:  # hand out new text; a finished request leaves
+            req, job, t0 = jobs[key]
+            if delta := req.output.drain():
+                job._emit("delta", delta)
+            if req.finished:
+                job._emit("done", req.result)
+                del jobs[key]
+                self._running.discard(job)
+                self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
+
+        while True:
+            while not stopping and len(jobs) < self.max_batch:  # admit jobs between two steps
+                try:
+                    job = self._queue.get(block=not jobs)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                if job.cancelled.is_set():
+                    job._emit("error", EngineStopped("cancelled before it started"))
+                    continue
+                try:
+                    ids, params, output = prepare_request(jf.target, job.prompt_ids, **job.request)
+                    budget = (None if auto else jf.budget) if head is not None else 0
+                    req = decoder.add(BatchRequest(ids, params, output, budget=budget, width=jf.width))
+                except Exception as e:  # a bad request fails alone
+                    job._emit("error", e)
+                    continue
+                self._running.add(job)
+                jobs[id(req)] = (req, job, time.perf_counter())
+                settle(id(req))
+            for key, (req, job, _) in list(jobs.items()):
+                if job.cancelled.is_set():
+                    decoder.cancel(req)
+                    job._emit("cancelled", None)
+                    del jobs[key]
+                    self._running.discard(job)
+            if not jobs:
+                if stopping:
+                    return
+                continue
+            try:
+                decoder.step()
+            except Exception as e:  # reported to every job in the batch; the worker keeps serving
+                for key, (req, job, _) in list(jobs.items()):
+                    decoder.cancel(req)
+                    job._emit("error", e)
+                    self._running.discard(job)
+                jobs.clear()
+                continue
+            if self.metrics is not None:
+                self.metrics.step(**decoder.last_step)
+            for key in list(jobs):
+                settle(key)
 
     def shutdown(self, cancel_running: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; cancel queued jobs; finish (or cancel) the running one; stop the thread."""
@@ -110,7 +189,8 @@ class Engine:
             if job is not None:
                 job.cancel()
                 job._emit("error", EngineStopped("the server is shutting down"))
-        if cancel_running and (job := self._current) is not None:
-            job.cancel()
+        if cancel_running:
+            for job in list(self._running):
+                job.cancel()
         self._queue.put(None)
         self._thread.join(timeout)

@@ -6,6 +6,9 @@ import threading
 from collections import defaultdict
 
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+NODES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 SECONDS_PER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 
 
@@ -37,6 +40,9 @@ class Metrics:
         self.cancelled = 0
         self.tau = Histogram(TAU_BUCKETS)
         self.seconds_per_token = Histogram(SECONDS_PER_TOKEN_BUCKETS)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.tokens_per_forward = Histogram(TOKENS_BUCKETS)
+        self.nodes_per_request = Histogram(NODES_BUCKETS)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -50,6 +56,13 @@ class Metrics:
                 self.seconds_per_token.observe(seconds / completion_tokens)
             if tau is not None:
                 self.tau.observe(tau)
+
+    def step(self, batch: int, tokens: int, nodes: int) -> None:
+        """One batched decoding step: requests in it, tokens its forward verified, draft nodes."""
+        with self._lock:
+            self.batch_size.observe(batch)
+            self.tokens_per_forward.observe(tokens)
+            self.nodes_per_request.observe(nodes / max(1, batch))
 
     def cancel(self) -> None:
         with self._lock:
@@ -76,5 +89,13 @@ class Metrics:
                       "# TYPE jetflow_tau histogram", *self.tau.lines("jetflow_tau"),
                       "# HELP jetflow_seconds_per_token Generation time per generated token, per request.",
                       "# TYPE jetflow_seconds_per_token histogram",
-                      *self.seconds_per_token.lines("jetflow_seconds_per_token")]
+                      *self.seconds_per_token.lines("jetflow_seconds_per_token"),
+                      "# HELP jetflow_batch_size Requests per batched decoding step.",
+                      "# TYPE jetflow_batch_size histogram", *self.batch_size.lines("jetflow_batch_size"),
+                      "# HELP jetflow_tokens_per_forward Tokens one batched verify forward processed (padding included).",
+                      "# TYPE jetflow_tokens_per_forward histogram",
+                      *self.tokens_per_forward.lines("jetflow_tokens_per_forward"),
+                      "# HELP jetflow_nodes_per_request Draft nodes verified per request per step (mean over the batch).",
+                      "# TYPE jetflow_nodes_per_request histogram",
+                      *self.nodes_per_request.lines("jetflow_nodes_per_request")]
         return "\n".join(lines) + "\n"

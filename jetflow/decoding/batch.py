@@ -1,0 +1,172 @@
+"""Speculative decoding of many requests at once (continuous batching): per round, one draft per
+request and ONE target forward that verifies all their trees.
+
+    add(request)  -> prefill it alone, join the batch (between two rounds)
+    step()        -> every active request: draft tree -> one batched verify -> accept -> commit;
+                     finished requests leave the batch and are returned with their results
+
+Each request keeps everything of its own: its row of the target's batched cache, its committed
+tokens, its drafter context, its sampling generator and output stream. Acceptance is the same rule
+as the single-sequence loop, applied to each request's own logits, so a request's output does not
+depend on what else is in the batch (up to the floating-point effect of batch shape on the
+target's kernels; the tests check identical greedy output).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from jetflow.decoding.acceptance import accept_path
+from jetflow.decoding.drafter import make_drafter
+from jetflow.decoding.load_budget import LoadBudget
+from jetflow.decoding.output import OutputStream
+from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.sampling import SamplingParams, next_token
+from jetflow.decoding.stats import SpeculativeStats
+from jetflow.models.batched_target import BatchedTarget
+from jetflow.tree.build import DraftTree
+
+
+@dataclass(eq=False)  # compared by identity
+class BatchRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    output: OutputStream
+    budget: int | None = 16  # draft nodes per round (0: plain decoding; None: the decoder's load budget)
+    width: int = 7
+    id: int = -1  # its row in the batch, once added
+    root: int = 0  # the next round's root token
+    result: GenerationResult | None = None
+    stats: SpeculativeStats | None = None
+    _drafter: object = None
+    _generator: object = None
+    _t0: float = 0.0
+    _prefill_s: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+
+class _RowView:
+    """A target as one request's drafter sees it: the shared model, this row's committed tokens."""
+
+    def __init__(self, batch: BatchedTarget, row_id: int):
+        self._batch, self._row_id = batch, row_id
+
+    def __getattr__(self, name):
+        return getattr(self._batch.target, name)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._batch.token_ids(self._row_id)
+
+    @property
+    def past_len(self) -> int:
+        return self._batch.length(self._row_id)
+
+
+class BatchDecoder:
+    def __init__(self, target, head=None, *, lookup: bool = True, int8: bool = False,
+                 load_budget: LoadBudget | None = None):
+        """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py)."""
+        self.batch = BatchedTarget(target)
+        self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
+        self.load_budget = load_budget
+        self.active: list[BatchRequest] = []
+        self.forwards = 0  # batched verify forwards so far
+        self.last_step = {"batch": 0, "tokens": 0, "nodes": 0}  # what the last step verified
+
+    def add(self, request: BatchRequest) -> BatchRequest:
+        """Prefill ``request`` and add it to the batch (it may finish at once: then it is not kept)."""
+        request._t0 = time.perf_counter()
+        request.stats = SpeculativeStats(device=self.target.device)
+        request._generator = request.params.make_generator(self.target.device)
+        request.id, out = self.batch.join(request.prompt_ids)
+        if request.budget is None and self.load_budget is None:
+            raise ValueError("a request without a budget needs the decoder's load budget")
+        if self.head is not None and request.budget != 0:
+            request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
+                                            lookup=self.lookup)
+            request._drafter.reset()
+            request._drafter.extend(out.hidden)
+        request.root = next_token(out.logits[-1], request.params, request._generator)
+        request._prefill_s = time.perf_counter() - request._t0
+        request.output.add(request.root)
+        self.active.append(request)
+        if request.finished:
+            self._finish(request)
+        return request
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Drop a request between two steps (client gone)."""
+        if request in self.active:
+            self.active.remove(request)
+            self.batch.leave(request.id)
+
+    def step(self) -> list[BatchRequest]:
+        """One round for every active request; returns the requests that finished in it."""
+        done = []
+        for r in list(self.active):  # no room left for even the root: the context is full
+            if self.target.max_context - self.batch.length(r.id) - 1 < 0:
+                r.output.finish("length")
+                done.append(self._finish(r))
+        if not self.active:
+            return done
+        trees, shared = {}, []  # shared: requests sized by the load budget
+        auto = [r for r in self.active if r.budget is None and r._drafter is not None]
+        drafting = bool(auto) and self.load_budget.should_draft(len(self.active))
+        t_draft = time.perf_counter()
+        for r in self.active:
+            if r._drafter is None or (r.budget is None and not drafting):
+                trees[r.id] = DraftTree.root_only(r.root)
+                continue
+            nodes = r.budget if r.budget is not None else self.load_budget.draft_nodes()
+            room = self.target.max_context - self.batch.length(r.id) - 1
+            with r.stats.timed("draft"):
+                proposal = r._drafter.propose(r.root, self.batch.length(r.id), room, r.width, max_nodes=nodes)
+            with r.stats.timed("tree"):
+                trees[r.id] = proposal.tree(nodes)
+            if r.budget is None:
+                shared.append(r)
+        if shared:  # one node cap for this step, priced over the whole batch
+            cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3)
+            for r in shared:
+                trees[r.id] = trees[r.id].prefix(min(cap, len(trees[r.id]) - 1) + 1)
+        t0 = time.perf_counter()
+        outs = self.batch.verify({rid: (tree.tokens, tree.parents) for rid, tree in trees.items()})
+        verify_s = time.perf_counter() - t0
+        self.forwards += 1
+        sizes = [len(t) for t in trees.values()]
+        self.last_step = {"batch": len(sizes), "tokens": len(sizes) * max(sizes), "nodes": sum(sizes) - len(sizes)}
+        paths, bonuses = {}, {}
+        for r in self.active:
+            tree, out = trees[r.id], outs[r.id]
+            r.stats.seconds["verify"] += verify_s
+            paths[r.id], bonuses[r.id] = accept_path(tree, out.logits, r.params, r._generator)
+            if r._drafter is not None and len(tree) > 1:
+                r._drafter.observe(tree, paths[r.id])
+            if r in shared:
+                self.load_budget.observe(tree, paths[r.id])
+        self.batch.commit(paths)
+        for r in list(self.active):
+            tree, path = trees[r.id], paths[r.id]
+            if r._drafter is not None:
+                r._drafter.extend(outs[r.id].hidden[path])
+            emitted = [tree.tokens[i] for i in path[1:]] + [bonuses[r.id]]
+            r.stats.accept_lengths.append(len(emitted))
+            r.stats.tree_sizes.append(len(tree) - 1)
+            r.output.add_many(emitted)
+            r.root = bonuses[r.id]
+            if r.finished:
+                done.append(self._finish(r))
+        return done
+
+    def _finish(self, r: BatchRequest) -> BatchRequest:
+        self.active.remove(r)
+        self.batch.leave(r.id)
+        r.result = GenerationResult.from_output(
+            r.output, len(r.prompt_ids), time.perf_counter() - r._t0, r._prefill_s, method="jetflow-batch",
+            stats={"budget": "auto" if r.budget is None else r.budget, "width": r.width, **r.stats.to_dict()})
+        return r

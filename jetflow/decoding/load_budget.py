@@ -1,0 +1,76 @@
+"""The draft budget when many requests share each verify forward (``jetflow serve`` under load).
+
+The shared resource is the number of tokens one batched forward verifies. Trees are padded to the
+largest one in the batch, so a step that gives each of B requests up to n draft nodes costs a
+forward over B * (n + 1) tokens, c(B (n + 1)), plus each request's draft. Each step picks the one
+cap n that maximises expected tokens per millisecond over all requests:
+
+    rate(n) = sum_r E_r[tokens | first min(n, |T_r|) nodes of its tree] / (drafts + c(B * (n_eff + 1)))
+
+with E_r from the requests' own draft scores through the acceptance rates measured so far
+(:class:`AdaptiveBudget`'s estimator, shared by all requests) and c from the machine's cost curve
+(a forward over k tokens costs about what a k-token tree costs alone: the matmuls see the same
+tokens). A lone request gets the single-stream choice; as the batch grows the trees shrink, and
+when even the best cap is slower than a plain batched step (n = 0, no drafts) steps are plain, with
+an exploring drafted step now and then to keep the estimate current.
+"""
+
+from __future__ import annotations
+
+from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.costs import CostCurve
+from jetflow.tree.build import DraftTree
+
+
+class LoadBudget:
+    def __init__(self, costs: CostCurve, max_budget: int = 64, explore_every: int = 8):
+        self.costs, self.max_budget, self.explore_every = costs, max_budget, explore_every
+        self.acceptance = AdaptiveBudget(costs, max_budget=max_budget)  # its per-(depth, q) acceptance counts
+        self.draft_rate: dict[int, float] = {}  # batch size -> running tokens/ms of drafted steps
+        self.recent_cap = max_budget
+        self._plain_steps = 0
+
+    def forward_ms(self, tokens: int) -> float:
+        """A target forward over ``tokens`` tokens (the single-sequence curve: c(n + 1) = verify_ms(n))."""
+        return self.costs.c1_ms if tokens <= 1 else self.costs.verify_ms(tokens - 1)
+
+    def plain_rate(self, batch: int) -> float:
+        return batch / self.forward_ms(batch)
+
+    def draft_nodes(self) -> int:
+        """How many nodes each request drafts (trees are then cut to the chosen cap)."""
+        return min(self.max_budget, max(4, 2 * self.recent_cap))
+
+    def should_draft(self, batch: int) -> bool:
+        rate = self.draft_rate.get(batch)
+        if rate is None or rate >= self.plain_rate(batch):
+            self._plain_steps = 0
+            return True
+        self._plain_steps += 1
+        if self._plain_steps >= self.explore_every:
+            self._plain_steps = 0
+            return True
+        return False
+
+    def choose(self, trees: list[DraftTree], draft_ms: float) -> int:
+        """The per-request node cap for this step's trees (0: verify the roots only)."""
+        batch = len(trees)
+        expected = [self.acceptance.expected_tokens(t) for t in trees]
+        best, best_rate = 0, self.plain_rate(batch)
+        top = min(self.max_budget, max(len(t) - 1 for t in trees))
+        for cap in range(1, top + 1):
+            widest = max(min(cap, len(t) - 1) for t in trees)
+            tokens = sum(e[min(cap, len(e) - 1)] for e in expected)
+            rate = tokens / (draft_ms + self.forward_ms(batch * (widest + 1)))
+            if rate > best_rate:
+                best, best_rate = cap, rate
+        self.recent_cap = best if best else max(1, self.recent_cap // 2)
+        if best:
+            old = self.draft_rate.get(batch)
+            self.draft_rate[batch] = best_rate if old is None else 0.7 * old + 0.3 * best_rate
+        else:  # drafting did not pay at this batch size: remember it so the next steps stay plain
+            self.draft_rate[batch] = 0.9 * best_rate
+        return best
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        self.acceptance.observe(tree, path)

@@ -1,0 +1,114 @@
+"""One draft tree from two proposers: a draft head and context lookup, checked in one verify.
+
+The target copies from its input a lot (translation, summaries, code edits), and a head trained on
+other text does not see it coming; prompt lookup does, and costs nothing to run. Each round the
+head's best-first tree and the lookup chain (the tokens that followed the latest earlier match of
+the context's last n-gram) are merged into one tree: candidates of both are taken in order of their
+estimated probability of being accepted, ``P(node) = P(parent) * q``, where q is the head's own
+probability for head nodes and, for lookup nodes, the measured rate at which the target accepted a
+lookup token at that depth after a match of that n-gram length (running counts, starting from a
+uniform prior). A token both propose becomes one node. Acceptance never looks at q, so the merged
+tree is verified as losslessly as any other; q only decides which nodes the budget buys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from jetflow.decoding.lookup_drafter import MAX_DRAFT, MAX_NGRAM, lookup_match
+from jetflow.tree.build import DraftTree
+
+
+class LookupCalibration:
+    """P(target accepts the lookup token at depth d | it accepted the one before), per match length."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_DRAFT, prior: float = 2.0):
+        self.hits = np.full((max_ngram + 1, max_depth + 1), prior / 2)
+        self.trials = np.full((max_ngram + 1, max_depth + 1), prior)
+
+    def rates(self, ngram: int, depth: int) -> np.ndarray:
+        return self.hits[ngram, 1:depth + 1] / self.trials[ngram, 1:depth + 1]
+
+    def observe(self, ngram: int, verified: int, accepted: int) -> None:
+        """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
+        for d in range(1, min(verified, accepted + 1) + 1):
+            self.trials[ngram, d] += 1
+            self.hits[ngram, d] += d <= accepted
+
+
+class MixedProposal:
+    def __init__(self, primary, root: int, chain: list[int], chain_q: np.ndarray):
+        """``chain_q[d-1]``: estimated P(chain token d accepted | token d-1 accepted)."""
+        self.primary, self.root, self.chain = primary, root, chain
+        self.chain_logq = np.log(np.clip(chain_q, 1e-9, 1.0)).tolist()
+
+    def tree(self, budget: int) -> DraftTree:
+        """``budget`` nodes (fewer if both run out), parents before children, taken best first."""
+        base = self.primary.tree(budget)
+        if not self.chain:
+            return base
+        tree = DraftTree.root_only(self.root)
+        where = [0] * len(base)  # base node -> node in the merged tree
+        i, j, at = 1, 0, 0  # next base node, next chain token, merged node the chain has reached
+        while len(tree) - 1 < budget and (i < len(base) or j < len(self.chain)):
+            head_value = (tree.scores[where[base.parents[i]]] + base.scores[i] - base.scores[base.parents[i]]
+                          if i < len(base) else -math.inf)
+            chain_value = tree.scores[at] + self.chain_logq[j] if j < len(self.chain) else -math.inf
+            if head_value >= chain_value:
+                parent, token, value = where[base.parents[i]], base.tokens[i], head_value
+            else:
+                parent, token, value = at, self.chain[j], chain_value
+            node = tree.children[parent].get(token)
+            if node is None:
+                node = tree.add(token, parent, value)
+            if head_value >= chain_value:
+                where[i], i = node, i + 1
+            else:
+                at, j = node, j + 1
+        return tree
+
+
+class MixedDrafter:
+    """A head's drafter with prompt lookup merged into its trees (the :class:`Drafter` interface)."""
+
+    def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
+        self.primary, self.target = primary, target
+        self.head, self.block_size = primary.head, primary.block_size
+        self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)
+        self.max_ngram, self.max_draft = max_ngram, max_draft
+        self.calibration = LookupCalibration(max_ngram, max_draft)
+        self._last: tuple[int, list[int]] | None = None  # (match length, chain) of the last proposal
+
+    def reset(self) -> None:
+        self.primary.reset()
+        self._last = None
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.primary.extend(features)
+
+    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> MixedProposal:
+        history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
+        ngram, chain = lookup_match(history, self.max_ngram, min(self.max_draft, room))
+        self._last = (ngram, chain) if chain else None
+        primary = self.primary.propose(anchor, position, room, width, max_nodes)
+        return MixedProposal(primary, int(anchor), chain, self.calibration.rates(ngram, len(chain)))
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """Count how far the target followed the lookup chain, where the verified tree held it."""
+        self.primary.observe(tree, path)
+        if self._last is None:
+            return
+        ngram, chain = self._last
+        node, verified = 0, 0
+        for token in chain:
+            node = tree.children[node].get(token)
+            if node is None:
+                break
+            verified += 1
+        taken = [tree.tokens[n] for n in path[1:]]
+        accepted = next((k for k, (a, b) in enumerate(zip(chain, taken)) if a != b), min(len(chain), len(taken)))
+        self.calibration.observe(ngram, verified, accepted)
+        self._last = None

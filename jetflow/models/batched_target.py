@@ -1,0 +1,179 @@
+"""Many sequences of one torch target in one KV cache: a row per sequence, one forward for all.
+
+Row r holds its committed tokens in cells [0, length_r) of its row of the cache; the cache is as wide
+as the longest row, and a shorter row's cells past its length are left over (from dropped draft
+nodes, or padding) and masked out. ``verify`` appends every row's draft tree at the same cells
+[W, W + N) (N = the largest tree, smaller ones padded) with a per-row tree mask and positions
+length_r + depth; ``commit`` moves each row's accepted nodes right behind its prefix and cuts the
+cache to the longest row. A sequence joins after a prefill of its own (the target's single-sequence
+cache is the scratch space) and leaves by dropping its row, between two steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from jetflow.errors import InvalidRequestError, JetFlowError
+from jetflow.models.backend import TargetOutput, check_path
+from jetflow.models.kv_cache import PreallocatedCache
+from jetflow.tree.mask import ancestor_matrix, check_parents, tree_depths
+
+
+@dataclass
+class _Row:
+    id: int
+    length: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+class BatchedTarget:
+    def __init__(self, target):
+        if target.backend != "torch":
+            raise JetFlowError("batched decoding runs on the torch backend")
+        if target._sliding_window:
+            raise JetFlowError(f"batched decoding does not support sliding-window attention ({target.name}) yet")
+        self.target = target
+        self.cache: PreallocatedCache | None = None
+        self.rows: list[_Row] = []
+        self._next_id = 0
+        self._pending: dict[int, list[int]] | None = None  # row id -> parents of its verified tree
+        self._width = 0  # cache cells before the pending trees
+
+    # ------------------------------------------------------------------ rows
+    def _row(self, row_id: int) -> tuple[int, _Row]:
+        for i, row in enumerate(self.rows):
+            if row.id == row_id:
+                return i, row
+        raise KeyError(f"no sequence {row_id} in the batch")
+
+    def length(self, row_id: int) -> int:
+        return self._row(row_id)[1].length
+
+    def token_ids(self, row_id: int) -> list[int]:
+        return self._row(row_id)[1].token_ids
+
+    @property
+    def width(self) -> int:
+        return self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
+
+    def join(self, prompt_ids: Sequence[int]) -> tuple[int, TargetOutput]:
+        """Prefill a new sequence alone and add it as a row; returns its id and the prefill output."""
+        if self._pending is not None:
+            raise RuntimeError("join() between verify() and commit()")
+        out = self.target.prefill(prompt_ids)
+        keys = [(layer.keys, layer.values) for layer in self.target.cache.layers]
+        n = keys[0][0].shape[2]
+        width = max(self.width, n)
+        if self.cache is None:
+            self.cache = PreallocatedCache()
+            for i, (k, v) in enumerate(keys):
+                self.cache.update(k.clone(), v.clone(), i)
+        else:
+            for layer, (k, v) in zip(self.cache.layers, keys):
+                layer.keys = torch.cat([_pad(layer.keys, width), _pad(k, width)])
+                layer.values = torch.cat([_pad(layer.values, width), _pad(v, width)])
+        self.target.reset()  # the scratch cache is not needed any more
+        row = _Row(self._next_id, n, list(int(t) for t in prompt_ids))
+        self._next_id += 1
+        self.rows.append(row)
+        return row.id, out
+
+    def leave(self, row_id: int) -> None:
+        if self._pending is not None:
+            raise RuntimeError("leave() between verify() and commit()")
+        index, _ = self._row(row_id)
+        del self.rows[index]
+        if not self.rows:
+            self.cache = None
+            return
+        keep = torch.tensor([i for i in range(len(self.rows) + 1) if i != index], device=self.target.device)
+        width = max(r.length for r in self.rows)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, keep)[:, :, :width]
+            layer.values = layer.values.index_select(0, keep)[:, :, :width]
+
+    # ------------------------------------------------------------------ forwards
+    @torch.inference_mode()
+    def verify(self, trees: Mapping[int, tuple[Sequence[int], Sequence[int]]],
+               return_hidden: bool = True) -> dict[int, TargetOutput]:
+        """One forward over every row's tree: ``trees[row_id] = (tokens, parents)`` for every row in
+        the batch (parents as in :meth:`TargetModel.verify`). Returns each row's logits [n, V] and
+        tapped features [n, taps*H]."""
+        if set(trees) != {r.id for r in self.rows}:
+            raise ValueError("verify() needs a tree for every sequence in the batch, and only for those")
+        t = self.target
+        sizes = {rid: len(tokens) for rid, (tokens, _) in trees.items()}
+        if min(sizes.values()) < 1:
+            raise ValueError("every tree needs at least its root")
+        width, n_max, device = self.width, max(sizes.values()), t.device
+        ids = torch.zeros(len(self.rows), n_max, dtype=torch.long)
+        positions = torch.zeros(len(self.rows), n_max, dtype=torch.long)
+        allowed = torch.zeros(len(self.rows), n_max, width + n_max, dtype=torch.bool)
+        for b, row in enumerate(self.rows):
+            tokens, parents = trees[row.id]
+            parents = [int(p) for p in parents]
+            check_parents(parents)
+            n = len(parents)
+            if n != len(tokens):
+                raise ValueError(f"sequence {row.id}: one parent per token needed")
+            depths = tree_depths(parents)
+            if row.length + max(depths) + 1 > t.max_context:
+                raise InvalidRequestError(f"sequence {row.id} would extend past the context of {t.max_context} tokens")
+            ids[b, :n] = torch.as_tensor(list(tokens), dtype=torch.long)
+            positions[b] = row.length
+            positions[b, :n] += torch.tensor(depths)
+            allowed[b, :, :row.length] = True
+            allowed[b, :n, width:width + n] = ancestor_matrix(parents)
+            allowed[b, n:, width + n:] = torch.eye(n_max - n, dtype=torch.bool)  # padding sees itself only
+        mask = torch.zeros(allowed.shape, dtype=t.dtype).masked_fill_(~allowed, torch.finfo(t.dtype).min)
+        t._capture = return_hidden
+        t._captured.clear()
+        try:
+            out = t.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None].to(device),
+                          cache=self.cache, use_cache=True)
+        finally:
+            t._capture = False
+        hidden = torch.cat([t._captured[i] for i in t.tapped_layers], dim=-1) if return_hidden else None
+        t._captured.clear()
+        self._pending = {rid: [int(p) for p in trees[rid][1]] for rid in trees}
+        self._pending_tokens = {rid: [int(x) for x in trees[rid][0]] for rid in trees}
+        self._width = width
+        logits = out.logits.float()
+        return {row.id: TargetOutput(logits[b, :sizes[row.id]], hidden[b, :sizes[row.id]] if hidden is not None else None)
+                for b, row in enumerate(self.rows)}
+
+    @torch.inference_mode()
+    def commit(self, paths: Mapping[int, Sequence[int]]) -> None:
+        """Keep each row's accepted path (root-to-node node indices of its verified tree)."""
+        if self._pending is None:
+            raise RuntimeError("commit() without a verify()")
+        if set(paths) != set(self._pending):
+            raise ValueError("commit() needs a path for every sequence of the last verify()")
+        rows_idx, src, dst = [], [], []
+        for b, row in enumerate(self.rows):
+            nodes = check_path(paths[row.id], self._pending[row.id])
+            rows_idx += [b] * len(nodes)
+            src += [self._width + n for n in nodes]
+            dst += list(range(row.length, row.length + len(nodes)))
+            row.token_ids += [self._pending_tokens[row.id][n] for n in nodes]
+            row.length += len(nodes)
+        width = max(r.length for r in self.rows)
+        device = self.target.device
+        r_, s_, d_ = (torch.tensor(x, device=device, dtype=torch.long) for x in (rows_idx, src, dst))
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                if len(rows_idx):
+                    tensor[r_, :, d_] = tensor[r_, :, s_]  # the right side is a copy: overlaps are safe
+                setattr(layer, name, tensor[:, :, :width])
+        self._pending = None
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, L, D] -> [B, H, width, D], zeros appended (cells a row does not use are masked)."""
+    if x.shape[2] >= width:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:2], width - x.shape[2], x.shape[3])], dim=2)

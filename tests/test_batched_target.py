@@ -1,0 +1,161 @@
+"""Many sequences in one batched cache: every verify row and the cache after many rounds against the
+same sequence run alone (brute force), and batched decoding against solo decoding."""
+
+import random
+
+import pytest
+import torch
+
+import jetflow
+from jetflow.decoding.api import prepare_request
+from jetflow.decoding.batch import BatchDecoder, BatchRequest
+from jetflow.models.batched_target import BatchedTarget
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+from jetflow.tree.mask import path_to_root
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+
+
+@pytest.fixture(scope="module")
+def solo(tokenizer):
+    """A second target with the same weights, for the one-sequence reference runs."""
+    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+
+
+def random_tree(rng, n, vocab):
+    parents = [-1] + [rng.randrange(0, i) for i in range(1, n)]
+    return [rng.randrange(vocab) for _ in range(n)], parents
+
+
+def test_rows_match_each_sequence_alone(target, solo):
+    rng = random.Random(0)
+    batch = BatchedTarget(target)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9)]
+    rows = []
+    for p in prompts[:2]:
+        rid, out = batch.join(p)
+        ref = solo.prefill(p)
+        torch.testing.assert_close(out.logits, ref.logits)
+        rows.append(rid)
+    for round_ in range(8):
+        if round_ == 3:  # a sequence joins mid-way
+            rows.append(batch.join(prompts[2])[0])
+        if round_ == 6:  # and one leaves
+            batch.leave(rows.pop(0))
+        trees = {rid: random_tree(rng, rng.randrange(1, 12), 200) for rid in rows}
+        outs = batch.verify(trees)
+        paths = {}
+        for rid in rows:
+            tokens, parents = trees[rid]
+            solo.prefill(batch.token_ids(rid))
+            ref = solo.verify(tokens, parents)
+            torch.testing.assert_close(outs[rid].logits, ref.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[rid].hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+            paths[rid] = path_to_root(parents, rng.randrange(len(parents)))
+        batch.commit(paths)
+        for rid in rows:  # each row's committed cells equal a fresh prefill of its tokens
+            ids = batch.token_ids(rid)
+            assert batch.length(rid) == len(ids)
+            solo.prefill(ids)
+            b = [r.id for r in batch.rows].index(rid)
+            for mine, ref in zip(batch.cache.layers, solo.cache.layers):
+                torch.testing.assert_close(mine.keys[b, :, :len(ids)], ref.keys[0], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(mine.values[b, :, :len(ids)], ref.values[0], atol=1e-4, rtol=1e-4)
+        assert batch.width == max(batch.length(r) for r in rows)
+    with pytest.raises(ValueError, match="a tree for every sequence"):
+        batch.verify({rows[0]: ([1], [-1])})
+
+
+def test_bad_paths_and_order(target):
+    batch = BatchedTarget(target)
+    rid, _ = batch.join([5, 6, 7])
+    with pytest.raises(RuntimeError, match="without a verify"):
+        batch.commit({rid: [0]})
+    batch.verify({rid: ([1, 2, 3], [-1, 0, 0])})
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        batch.commit({rid: [0, 2, 1]})
+    with pytest.raises(RuntimeError, match="between verify"):
+        batch.join([1, 2])
+
+
+def request(target, prompt, budget, **kw):
+    ids, params, output = prepare_request(target, prompt, **kw)
+    return BatchRequest(ids, params, output, budget=budget, width=3)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_batched_decoding_equals_solo(target, lookup):
+    """Requests of different lengths and budgets, joining at different rounds, greedy and seeded
+    sampling: each output equals the same request decoded alone."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    specs = [([10, 20, 30, 40], 8, dict(max_new_tokens=30)),
+             ([7] * 3 + [11, 12, 13] * 4, 4, dict(max_new_tokens=25)),
+             ([99, 98], 0, dict(max_new_tokens=12)),
+             ([50, 60, 70, 80, 90, 100], 16, dict(max_new_tokens=20, temperature=0.8, seed=3)),
+             ([3, 4], 8, dict(max_new_tokens=40))]
+    decoder = BatchDecoder(target, head, lookup=lookup)
+    pending = [request(target, p, b, **kw) for p, b, kw in specs]
+    finished, sizes = [], []
+    joins = {0: 2, 2: 1, 5: 2}  # round -> how many join before it
+    step = 0
+    while pending or decoder.active:
+        for _ in range(joins.get(step, 0)):
+            r = decoder.add(pending.pop(0))
+            if r.finished:
+                finished.append(r)
+        finished += decoder.step()
+        sizes.append(decoder.last_step["batch"])
+        step += 1
+    assert max(sizes) >= 3 and len(finished) == len(specs)
+    jf = jetflow.JetFlow(target, head, lookup=lookup)
+    for r, (prompt, budget, kw) in zip(sorted(finished, key=lambda r: r.id), specs):
+        alone = jf.generate(prompt, budget=budget, width=3, **kw) if budget else jetflow.generate(target, prompt, **kw)
+        assert r.result.token_ids == alone.token_ids, (prompt, budget)
+        assert r.result.finish_reason == alone.finish_reason
+    assert decoder.batch.rows == [] and decoder.batch.cache is None
+
+
+def test_load_budget_shrinks_trees_as_the_batch_grows():
+    """With a CPU-like cost curve (a forward's cost grows with its tokens) the chosen cap falls as
+    the batch grows, and reaches plain steps when even one node per request does not pay."""
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+    from jetflow.tree.build import build_tree
+
+    ms = {n: 10.0 + 2.5 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # c(k) = 7.5 + 2.5 k
+    policy = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": ms, "draft_ms": {}}), max_budget=32)
+    torch.manual_seed(0)
+    lp = (torch.randn(15, 50) * 3).log_softmax(-1)
+    lp[:, 0] = 0.0  # a confident head: top token at every depth near-certain
+    lp = lp.log_softmax(-1)
+    tree = build_tree(lp, 1, 32, 3)
+    caps = [policy.choose([tree] * b, draft_ms=0.0) for b in (1, 4, 16, 64)]
+    assert caps[0] > 0 and caps == sorted(caps, reverse=True) and caps[0] > caps[-1]
+    weak = build_tree(torch.full((15, 50), -50.0).log_softmax(-1), 1, 32, 3)  # uniform: nothing pays
+    assert policy.choose([weak] * 8, draft_ms=0.0) == 0
+    assert not policy.should_draft(8)  # the next steps at this size stay plain ...
+    assert any(policy.should_draft(8) for _ in range(policy.explore_every))  # ... but explore now and then
+
+
+def test_batched_decoding_with_the_load_budget_is_lossless(target, tmp_path):
+    from jetflow.decoding.costs import CostCurve, cached_costs
+    from jetflow.decoding.load_budget import LoadBudget
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    jf = jetflow.JetFlow(target, head, cost_cache=tmp_path)
+    policy = LoadBudget(jf.adaptive_budget().costs, max_budget=16)
+    decoder = BatchDecoder(target, head, load_budget=policy)
+    prompts = [[10, 20, 30, 40], [5, 6, 7, 5, 6, 7, 5, 6], [200, 201], [33] * 7]
+    reqs = [decoder.add(request(target, p, None, max_new_tokens=24)) for p in prompts]
+    while decoder.active:
+        decoder.step()
+    for r, p in zip(reqs, prompts):
+        assert r.result.token_ids == jetflow.generate(target, p, max_new_tokens=24).token_ids
+        assert r.result.stats["budget"] == "auto"

@@ -1,0 +1,178 @@
+"""Head + prompt lookup in one tree: the merge against brute force, the calibration, and lossless
+decoding with it."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import jetflow
+from jetflow.decoding.lookup_drafter import lookup_match
+from jetflow.decoding.mixed_drafter import LookupCalibration, MixedDrafter, MixedProposal
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+from jetflow.tree.build import build_tree
+from tiny import tiny_model
+
+
+class FixedProposal:
+    def __init__(self, logprobs, root, width):
+        self.logprobs, self.root, self.width = logprobs, root, width
+
+    def tree(self, budget):
+        return build_tree(self.logprobs, self.root, budget, self.width)
+
+
+def paths(tree, upto=None):
+    """The token path of every node (root excluded) among the first ``upto`` nodes."""
+    out = []
+    for node in range(1, len(tree) if upto is None else upto):
+        p, n = [], node
+        while n > 0:
+            p.append(tree.tokens[n])
+            n = tree.parents[n]
+        out.append(tuple(reversed(p)))
+    return out
+
+
+def reference_merge(base, chain, logq, budget):
+    """Brute force: repeatedly add the best available candidate (the next base node or the next
+    chain token), a candidate's value being its parent's value times its own conditional q, where
+    a path both sources hold keeps the value of whichever added it first."""
+    value = {(): 0.0}
+    order = []
+    i, j = 1, 0
+    base_paths = paths(base)
+    while len(order) < budget and (i < len(base) or j < len(chain)):
+        hv = cv = -math.inf
+        if i < len(base):
+            bp = base_paths[i - 1]
+            hv = value[bp[:-1]] + base.scores[i] - base.scores[base.parents[i]]
+        if j < len(chain):
+            cv = value[tuple(chain[:j])] + logq[j]
+        if hv >= cv:
+            path, v, i = base_paths[i - 1], hv, i + 1
+        else:
+            path, v, j = tuple(chain[:j + 1]), cv, j + 1
+        if path not in value:
+            value[path] = v
+            order.append(path)
+    return order
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_merge_matches_brute_force(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    depth, vocab = rng.randint(1, 6), rng.randint(2, 8)
+    logprobs = (torch.randn(depth, vocab) * rng.choice([0.5, 2.0, 5.0])).log_softmax(-1)
+    width, budget = rng.randint(1, 4), rng.randint(0, 30)
+    chain = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+    q = np.array([rng.choice([0.0, 0.05, 0.3, 0.7, 0.99, 1.0]) for _ in chain])
+    proposal = MixedProposal(FixedProposal(logprobs, 99, width), 99, chain, q)
+    tree = proposal.tree(budget)
+    base = build_tree(logprobs, 99, budget, width)
+    assert paths(tree) == reference_merge(base, chain, proposal.chain_logq, budget)
+    assert len(tree) - 1 <= budget and all(p < n for n, p in enumerate(tree.parents) if n)
+    assert len(set(paths(tree))) == len(tree) - 1  # a token proposed twice is one node
+    for size in range(1, len(tree) + 1):  # every prefix is a tree (what --budget auto verifies)
+        assert all(tree.parents[n] < size for n in range(1, size))
+    if q.size and (q == 1.0).all() and budget >= len(chain):  # certain lookup tokens come first
+        assert paths(tree)[:len(chain)] == [tuple(chain[:k + 1]) for k in range(len(chain))]
+
+
+def test_lookup_match_reports_the_match_length():
+    history = np.array([5, 6, 7, 8, 1, 2, 6, 7])
+    assert lookup_match(history) == (2, [8, 1, 2, 6, 7])  # "6 7" occurred before, followed by 8 1 2 ...
+    assert lookup_match(np.array([1, 2, 3])) == (0, [])
+    assert lookup_match(np.array([4, 9, 4]), max_draft=1) == (1, [9])
+
+
+def test_calibration_counts_like_brute_force():
+    rng = random.Random(0)
+    cal = LookupCalibration(max_ngram=3, max_depth=10, prior=2.0)
+    hits = np.full((4, 11), 1.0)
+    trials = np.full((4, 11), 2.0)
+    for _ in range(300):
+        n, verified = rng.randint(1, 3), rng.randint(0, 10)
+        accepted = rng.randint(0, verified)
+        cal.observe(n, verified, accepted)
+        for d in range(1, verified + 1):
+            if d - 1 <= accepted:  # the token before it was accepted: a trial
+                trials[n, d] += 1
+                hits[n, d] += d <= accepted
+    np.testing.assert_array_equal(cal.trials, trials)
+    np.testing.assert_array_equal(cal.hits, hits)
+    assert np.all(cal.rates(2, 10) == hits[2, 1:] / trials[2, 1:])
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64, "auto"])
+def test_greedy_with_lookup_equals_autoregressive(target, budget, tmp_path):
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
+    jf = jetflow.JetFlow(target, head, lookup=True, cost_cache=tmp_path)
+    assert isinstance(jf.drafter, MixedDrafter)
+    for prompt in ([11, 12, 13, 14] * 5, [7, 8, 9]):
+        ar = jetflow.generate(target, prompt, max_new_tokens=48)
+        assert jf.generate(prompt, max_new_tokens=48, budget=budget).token_ids == ar.token_ids
+
+
+class _Primary:
+    head, block_size, int8 = None, 8, False
+
+    def reset(self):
+        pass
+
+    def extend(self, features):
+        pass
+
+    def observe(self, tree, path):
+        self.seen = (tree, path)
+
+    def propose(self, anchor, position, room, width, max_nodes=None):
+        return FixedProposal(torch.full((3, 20), -10.0).log_softmax(-1), anchor, 1)  # q = 1/20 everywhere
+
+
+class _History:
+    token_ids = [1, 2, 3, 4, 5, 1, 2]
+
+
+def test_observe_counts_how_far_the_target_followed_the_chain():
+    drafter = MixedDrafter(_Primary(), _History())
+    proposal = drafter.propose(3, 7, 100, 1, max_nodes=8)  # "1 2 3" occurred before, followed by 4 5 1 2 3
+    assert proposal.chain == [4, 5, 1, 2, 3]
+    tree = proposal.tree(8)
+    # the chain's value 0.5^d beats the head's 1/20 up to depth 4; then the head's first node comes
+    assert paths(tree)[:6] == [(4,), (4, 5), (4, 5, 1), (4, 5, 1, 2), (12,), (4, 5, 1, 2, 3)]
+    taken = [tree.children[0][4]]
+    taken.append(tree.children[taken[-1]][5])  # the target took 4 and 5, then something else
+    before = drafter.calibration.trials.copy(), drafter.calibration.hits.copy()
+    drafter.observe(tree, [0] + taken)
+    assert drafter.primary.seen[1] == [0] + taken
+    trials, hits = drafter.calibration.trials - before[0], drafter.calibration.hits - before[1]
+    assert trials[3].tolist() == [0, 1, 1, 1] + [0] * 7  # depths 1-3 were tried (3: after 2 accepted)
+    assert hits[3].tolist() == [0, 1, 1, 0] + [0] * 7
+    assert trials.sum() == 3 and drafter.calibration.rates(3, 2).tolist() == [2 / 3, 2 / 3]
+
+
+@pytest.mark.real
+def test_lookup_lifts_tau_where_smollm2_copies(smollm2):
+    """SmolLM2 asked to repeat a passage copies it; the head alone drafts little of it, the merged
+    tree a lot, and the output stays the same."""
+    from jetflow.models.checkpoint import load_drafter
+
+    head = load_drafter("jetflow/drafters/smollm2-135m-instruct", target=smollm2)
+    text = ("The committee met on Tuesday to review the budget for the new library, which will open in "
+            "March with twelve reading rooms, a children's wing and a cafe run by local volunteers.")
+    prompt = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{text}"}]
+    mixed = jetflow.JetFlow(smollm2, head, lookup=True).generate(prompt, max_new_tokens=48, budget=16)
+    alone = jetflow.JetFlow(smollm2, head, lookup=False).generate(prompt, max_new_tokens=48, budget=16)
+    assert mixed.token_ids == alone.token_ids == jetflow.generate(smollm2, prompt, max_new_tokens=48).token_ids
+    assert mixed.stats["tau"] > alone.stats["tau"] + 0.5
