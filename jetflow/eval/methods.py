@@ -18,8 +18,9 @@
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
     llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
                    llama-tools``) with a DFlash-compatible causal head exported by ``export-gguf``:
-                   chain drafts of 3 tokens, the driver's default (llama.cpp only). Its tokens are the
-                   generated text tokenized again; its time is the driver's prompt + decode time.
+                   chain drafts of 3 tokens, the driver's default (llama.cpp only). The driver prints
+                   text, so its output is compared with llama-ar's as text (its token ids are that
+                   text tokenized again); its time is the driver's prompt + decode time.
 
 Every method returns a :class:`GenerationResult` whose ``stats`` hold ``rounds`` (target forwards
 after the prefill) and, for the drafters, ``accept_lengths`` per round (bonus token included).
@@ -56,6 +57,7 @@ class MethodSpec:
     tree: bool  # True: the --budgets sweep applies; False: one run
     backend: str | None = None  # None: the bench target's; "torch": a torch twin of it; "llamacpp": only there
     equals: str | None = None  # the method whose output it must reproduce (None: the run's reference)
+    exact_tokens: bool = True  # False: its tokens are its text tokenized again, so outputs compare as text
 
 
 METHODS = {m.name: m for m in [
@@ -66,7 +68,7 @@ METHODS = {m.name: m for m in [
     MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
-    MethodSpec("llama-dflash", None, False, backend="llamacpp"),
+    MethodSpec("llama-dflash", None, False, backend="llamacpp", exact_tokens=False),
 ]}
 
 

@@ -6,7 +6,8 @@ nodes, or padding) and masked out. ``verify`` appends every row's draft tree at 
 [W, W + N) (N = the largest tree, smaller ones padded) with a per-row tree mask and positions
 length_r + depth; ``commit`` moves each row's accepted nodes right behind its prefix and cuts the
 cache to the longest row. A sequence joins after a prefill of its own (the target's single-sequence
-cache is the scratch space) and leaves by dropping its row, between two steps.
+cache is the scratch space) into a spare row of the cache's buffers, and leaves by moving the last
+row into its place: neither copies the rest of the batch.
 """
 
 from __future__ import annotations
@@ -17,9 +18,51 @@ from dataclasses import dataclass, field
 import torch
 
 from jetflow.errors import InvalidRequestError, JetFlowError
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
 from jetflow.models.backend import TargetOutput, check_path
-from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.tree.mask import ancestor_matrix, check_parents, tree_depths
+
+
+class _RowsLayer(DynamicLayer):
+    """One layer's keys/values for a batch whose rows come and go: buffers with spare rows and
+    cells (doubled when outgrown); ``keys``/``values`` are views of the first ``rows`` rows and
+    ``width`` cells, which is what the model's attention reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.kbuf = self.vbuf = None
+        self.rows = self.width = 0
+
+    def ensure(self, rows: int, cells: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        if self.kbuf is not None and rows <= self.kbuf.shape[0] and cells <= self.kbuf.shape[2]:
+            return
+        old = self.kbuf
+        r = rows if old is None else max(rows, old.shape[0] if rows <= old.shape[0] else 2 * old.shape[0])
+        c = cells if old is None else max(cells, old.shape[2] if cells <= old.shape[2] else 2 * old.shape[2])
+        kbuf = like_k.new_zeros(r, like_k.shape[1], c, like_k.shape[3])
+        vbuf = like_v.new_zeros(r, like_v.shape[1], c, like_v.shape[3])
+        if old is not None:
+            kbuf[:self.rows, :, :self.width] = self.kbuf[:self.rows, :, :self.width]
+            vbuf[:self.rows, :, :self.width] = self.vbuf[:self.rows, :, :self.width]
+        self.kbuf, self.vbuf = kbuf, vbuf
+        self.view()
+
+    def view(self) -> None:
+        self.keys = self.kbuf[:self.rows, :, :self.width]
+        self.values = self.vbuf[:self.rows, :, :self.width]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        self.ensure(self.rows, self.width + n, key_states, value_states)
+        self.kbuf[:self.rows, :, self.width:self.width + n] = key_states
+        self.vbuf[:self.rows, :, self.width:self.width + n] = value_states
+        self.width += n
+        self.view()
+        return self.keys, self.values
 
 
 @dataclass
@@ -36,7 +79,7 @@ class BatchedTarget:
         if target._sliding_window:
             raise JetFlowError(f"batched decoding does not support sliding-window attention ({target.name}) yet")
         self.target = target
-        self.cache: PreallocatedCache | None = None
+        self.cache = Cache(layers=[_RowsLayer() for _ in range(target.num_layers)])
         self.rows: list[_Row] = []
         self._next_id = 0
         self._pending: dict[int, list[int]] | None = None  # row id -> parents of its verified tree
@@ -57,43 +100,46 @@ class BatchedTarget:
 
     @property
     def width(self) -> int:
-        return self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
+        return self.cache.layers[0].width
 
+    @torch.inference_mode()
     def join(self, prompt_ids: Sequence[int]) -> tuple[int, TargetOutput]:
         """Prefill a new sequence alone and add it as a row; returns its id and the prefill output."""
         if self._pending is not None:
             raise RuntimeError("join() between verify() and commit()")
         out = self.target.prefill(prompt_ids)
-        keys = [(layer.keys, layer.values) for layer in self.target.cache.layers]
-        n = keys[0][0].shape[2]
-        width = max(self.width, n)
-        if self.cache is None:
-            self.cache = PreallocatedCache()
-            for i, (k, v) in enumerate(keys):
-                self.cache.update(k.clone(), v.clone(), i)
-        else:
-            for layer, (k, v) in zip(self.cache.layers, keys):
-                layer.keys = torch.cat([_pad(layer.keys, width), _pad(k, width)])
-                layer.values = torch.cat([_pad(layer.values, width), _pad(v, width)])
+        n = self.target.cache.layers[0].keys.shape[2]
+        for layer, scratch in zip(self.cache.layers, self.target.cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(scratch.keys, scratch.values)
+            layer.ensure(layer.rows + 1, max(layer.width, n), scratch.keys, scratch.values)
+            layer.kbuf[layer.rows, :, :n] = scratch.keys[0]
+            layer.vbuf[layer.rows, :, :n] = scratch.values[0]
+            layer.rows += 1
+            layer.width = max(layer.width, n)
+            layer.view()
         self.target.reset()  # the scratch cache is not needed any more
         row = _Row(self._next_id, n, list(int(t) for t in prompt_ids))
         self._next_id += 1
         self.rows.append(row)
         return row.id, out
 
+    @torch.inference_mode()
     def leave(self, row_id: int) -> None:
         if self._pending is not None:
             raise RuntimeError("leave() between verify() and commit()")
         index, _ = self._row(row_id)
-        del self.rows[index]
-        if not self.rows:
-            self.cache = None
-            return
-        keep = torch.tensor([i for i in range(len(self.rows) + 1) if i != index], device=self.target.device)
-        width = max(r.length for r in self.rows)
+        last = len(self.rows) - 1
+        if index != last:  # the last row takes the leaver's place: one row is copied
+            self.rows[index] = self.rows[last]
+        self.rows.pop()
+        width = max((r.length for r in self.rows), default=0)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, keep)[:, :, :width]
-            layer.values = layer.values.index_select(0, keep)[:, :, :width]
+            if index != last:
+                layer.kbuf[index, :, :layer.width] = layer.kbuf[last, :, :layer.width]
+                layer.vbuf[index, :, :layer.width] = layer.vbuf[last, :, :layer.width]
+            layer.rows, layer.width = last, width
+            layer.view()
 
     # ------------------------------------------------------------------ forwards
     @torch.inference_mode()
@@ -164,16 +210,9 @@ class BatchedTarget:
         device = self.target.device
         r_, s_, d_ = (torch.tensor(x, device=device, dtype=torch.long) for x in (rows_idx, src, dst))
         for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)
-                if len(rows_idx):
-                    tensor[r_, :, d_] = tensor[r_, :, s_]  # the right side is a copy: overlaps are safe
-                setattr(layer, name, tensor[:, :, :width])
+            for buf in (layer.kbuf, layer.vbuf):
+                buf[r_, :, d_] = buf[r_, :, s_]  # the right side is a copy: overlaps are safe
+            layer.width = width
+            layer.view()
         self._pending = None
 
-
-def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, H, L, D] -> [B, H, width, D], zeros appended (cells a row does not use are masked)."""
-    if x.shape[2] >= width:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:2], width - x.shape[2], x.shape[3])], dim=2)

@@ -117,8 +117,12 @@ class Engine:
         jf = self.jetflow
         head = jf.drafter.head if jf.drafter is not None else None
         auto = jf.budget == "auto" and head is not None
-        decoder = BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft,
-                               load_budget=LoadBudget(jf.adaptive_budget().costs) if auto else None)
+        load_budget = LoadBudget(jf.adaptive_budget().costs) if auto else None
+
+        def new_decoder() -> BatchDecoder:
+            return BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft, load_budget=load_budget)
+
+        decoder = new_decoder()
         jobs: dict[int, tuple[BatchRequest, Job, float]] = {}  # id(request) -> (request, job, start time)
         stopping = False
 
@@ -167,11 +171,11 @@ class Engine:
             try:
                 decoder.step()
             except Exception as e:  # reported to every job in the batch; the worker keeps serving
-                for key, (req, job, _) in list(jobs.items()):
-                    decoder.cancel(req)
+                for req, job, _ in jobs.values():
                     job._emit("error", e)
                     self._running.discard(job)
                 jobs.clear()
+                decoder = new_decoder()  # the failed step may have left the batch half-committed
                 continue
             if self.metrics is not None:
                 self.metrics.step(**decoder.last_step)
