@@ -52,7 +52,7 @@ def main():
     else:
         torch.manual_seed(0)
         head = DraftHead(DraftHeadConfig.for_target(target, num_hidden_layers=args.random_head))
-    jf = jetflow.JetFlow(target, head.to(dtype=target.dtype), width=args.width)
+    jf = jetflow.JetFlow(target, head.to(dtype=target.dtype), width=args.width, lookup=False)
     jetflow.generate(target, prompts[0], max_new_tokens=8)  # warm-up
     jf.generate(prompts[0], max_new_tokens=8)
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def jetflow_side(target, head, prompts, max_tokens) -> dict:
-    jf = jetflow.JetFlow(target, head.to(dtype=target.dtype))
+    jf = jetflow.JetFlow(target, head.to(dtype=target.dtype), lookup=False)  # the head alone, as vLLM runs it
     b = head.config.block_size
     out = {}
     for name, kw in (("ar", None), (f"chain_{b - 1}", dict(budget=b - 1, width=1)), ("chain_1", dict(budget=1, width=1))):

@@ -48,7 +48,7 @@ def main():
     teacher = OnlineTeacher(target, None)
     rows = {}
     for budget in budgets:
-        jf = jetflow.JetFlow(target, head, budget=budget, width=args.width)
+        jf = jetflow.JetFlow(target, head, budget=budget, width=args.width, lookup=False)  # what the replay models
         emitted, rounds, kept = 0, 0, []
         for index in range(start, end):
             seq = sequences[index]

@@ -162,3 +162,24 @@ def test_batched_decoding_with_the_load_budget_is_lossless(target, tmp_path):
     for r, p in zip(reqs, prompts):
         assert r.result.token_ids == jetflow.generate(target, p, max_new_tokens=24).token_ids
         assert r.result.stats["budget"] == "auto"
+
+
+@pytest.mark.real
+def test_batched_decoding_equals_solo_on_smollm2(smollm2):
+    """The shipped drafter, three GSM8K-style requests of different lengths, one joining late."""
+    from jetflow.models.checkpoint import load_drafter
+
+    head = load_drafter("jetflow/drafters/smollm2-135m-instruct", target=smollm2)
+    questions = ["What is 12 times 7?", "Natalia sold 48 clips in April and half as many in May. How many in all?",
+                 "Name three colors."]
+    decoder = BatchDecoder(smollm2, head)
+    reqs = [decoder.add(request(smollm2, [{"role": "user", "content": q}], 8, max_new_tokens=n))
+            for q, n in zip(questions[:2], (40, 24))]
+    decoder.step()
+    reqs.append(decoder.add(request(smollm2, [{"role": "user", "content": questions[2]}], 8, max_new_tokens=32)))
+    while decoder.active:
+        decoder.step()
+    for r, q, n in zip(reqs, questions, (40, 24, 32)):
+        alone = jetflow.generate(smollm2, [{"role": "user", "content": q}], max_new_tokens=n)
+        assert r.result.token_ids == alone.token_ids
+        assert r.result.stats["tau"] > 1.0

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jetflow.models.llamacpp_target import LlamaCppError, LlamaCppTarget, _import_binding
+from jetflow.models.llamacpp_target import LlamaCppError, LlamaCppTarget, OwnsLlamaContext, _import_binding
 
 
-class LlamaCppDFlashDraft:
+class LlamaCppDFlashDraft(OwnsLlamaContext):
     def __init__(self, gguf: str | os.PathLike, target: LlamaCppTarget, *, n_batch: int = 512):
         lib = self._lib = _import_binding()
         self.gguf = Path(gguf)
@@ -96,17 +96,3 @@ class LlamaCppDFlashDraft:
         out = torch.from_numpy(logits.reshape(n, self.vocab_size).copy())
         self.truncate(position)
         return out
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._lib.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -150,7 +150,25 @@ def main_chain_first(parents: Sequence[int]) -> np.ndarray:
     return np.asarray(chain + [i for i in range(len(parents)) if i not in on_chain], dtype=np.int64)
 
 
-class LlamaCppTarget:
+class OwnsLlamaContext:
+    """Frees a llama.cpp context (``_ctx``) and model (``_model``) once, on close or collection."""
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaCppTarget(OwnsLlamaContext):
     """The llama.cpp implementation of :class:`jetflow.models.backend.TargetBackend` (CPU)."""
 
     backend = "llamacpp"
@@ -391,19 +409,6 @@ class LlamaCppTarget:
         return generate_many(self, [list(map(int, p)) for p in prompts], max_new_tokens, temperature, generator,
                              slots=slots)
 
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._lib.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 _LOG_CALLBACK = None
