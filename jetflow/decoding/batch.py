@@ -134,6 +134,7 @@ class BatchDecoder:
                 trees[r.id] = proposal.tree(nodes)
             if r.budget is None:
                 shared.append(r)
+        shared_ids = {r.id for r in shared}
         if shared:  # one node cap for this step, priced over the whole batch
             cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3)
             for r in shared:
@@ -151,7 +152,7 @@ class BatchDecoder:
             paths[r.id], bonuses[r.id] = accept_path(tree, out.logits, r.params, r._generator)
             if r._drafter is not None and len(tree) > 1:
                 r._drafter.observe(tree, paths[r.id])
-            if r in shared:
+            if r.id in shared_ids:
                 self.load_budget.observe(tree, paths[r.id])
         self.batch.commit(paths)
         for r in list(self.active):
