@@ -24,7 +24,7 @@ from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
 from jetflow.decoding.stats import SpeculativeStats
-from jetflow.models.batched_target import BatchedTarget
+from jetflow.models.batched_target import batched_target
 from jetflow.tree.build import DraftTree
 
 
@@ -52,11 +52,15 @@ class BatchRequest:
 class _RowView:
     """A target as one request's drafter sees it: the shared model, this row's committed tokens."""
 
-    def __init__(self, batch: BatchedTarget, row_id: int):
+    def __init__(self, batch, row_id: int):
         self._batch, self._row_id = batch, row_id
 
     def __getattr__(self, name):
         return getattr(self._batch.target, name)
+
+    @property
+    def max_context(self) -> int:
+        return self._batch.max_context
 
     @property
     def token_ids(self) -> list[int]:
@@ -69,9 +73,10 @@ class _RowView:
 
 class BatchDecoder:
     def __init__(self, target, head=None, *, lookup: bool = True, int8: bool = False,
-                 load_budget: LoadBudget | None = None):
-        """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py)."""
-        self.batch = BatchedTarget(target)
+                 load_budget: LoadBudget | None = None, max_batch: int = 32):
+        """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py);
+        ``max_batch``: the most requests at once (llama.cpp reserves a KV stream for each)."""
+        self.batch = batched_target(target, max_batch)
         self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
         self.load_budget = load_budget
         self.active: list[BatchRequest] = []
@@ -80,28 +85,42 @@ class BatchDecoder:
 
     def add(self, request: BatchRequest) -> BatchRequest:
         """Prefill ``request`` and add it to the batch (it may finish at once: then it is not kept)."""
-        request._t0 = time.perf_counter()
-        request.stats = SpeculativeStats(device=self.target.device)
-        request._generator = request.params.make_generator(self.target.device)
-        if request.budget is None and self.load_budget is None:
-            raise ValueError("a request without a budget needs the decoder's load budget")
-        request.id, out = self.batch.join(request.prompt_ids)
-        try:
-            if self.head is not None and request.budget != 0:
-                request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
-                                                lookup=self.lookup)
-                request._drafter.reset()
-                request._drafter.extend(out.hidden)
-            request.root = next_token(out.logits[-1], request.params, request._generator)
-        except Exception:
-            self.batch.leave(request.id)  # the batch never holds a row without its request
-            raise
-        request._prefill_s = time.perf_counter() - request._t0
-        request.output.add(request.root)
-        self.active.append(request)
-        if request.finished:
-            self._finish(request)
-        return request
+        return self.add_many([request])[0]
+
+    def add_many(self, requests: list[BatchRequest]) -> list[BatchRequest]:
+        """Prefill several requests together (one forward per prompt chunk where the backend
+        batches prefills) and add them to the batch."""
+        t0 = time.perf_counter()
+        for request in requests:
+            if request.budget is None and self.load_budget is None:
+                raise ValueError("a request without a budget needs the decoder's load budget")
+            request._t0 = t0
+            request.stats = SpeculativeStats(device=self.target.device)
+            request._generator = request.params.make_generator(self.target.device)
+        joined = self.batch.join_many([r.prompt_ids for r in requests])
+        prefill_s = time.perf_counter() - t0
+        for k, (request, (row_id, out)) in enumerate(zip(requests, joined)):
+            request.id = row_id
+            try:
+                if self.head is not None and request.budget != 0:
+                    request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
+                                                    lookup=self.lookup)
+                    request._drafter.reset()
+                    request._drafter.extend(out.hidden)
+                request.root = next_token(out.logits[-1], request.params, request._generator)
+            except Exception:  # all or nothing: the batch never holds a row without its request
+                for earlier in requests[:k]:
+                    if earlier in self.active:
+                        self.cancel(earlier)
+                for later, _ in joined[k:]:
+                    self.batch.leave(later)
+                raise
+            request._prefill_s = prefill_s
+            request.output.add(request.root)
+            self.active.append(request)
+            if request.finished:
+                self._finish(request)
+        return requests
 
     def cancel(self, request: BatchRequest) -> None:
         """Drop a request between two steps (client gone)."""
@@ -113,7 +132,7 @@ class BatchDecoder:
         """One round for every active request; returns the requests that finished in it."""
         done = []
         for r in list(self.active):  # no room left for even the root: the context is full
-            if self.target.max_context - self.batch.length(r.id) - 1 < 0:
+            if self.batch.max_context - self.batch.length(r.id) - 1 < 0:
                 r.output.finish("length")
                 done.append(self._finish(r))
         if not self.active:
@@ -127,11 +146,13 @@ class BatchDecoder:
                 trees[r.id] = DraftTree.root_only(r.root)
                 continue
             nodes = r.budget if r.budget is not None else self.load_budget.draft_nodes()
-            room = self.target.max_context - self.batch.length(r.id) - 1
+            room = self.batch.max_context - self.batch.length(r.id) - 1
             with r.stats.timed("draft"):
                 proposal = r._drafter.propose(r.root, self.batch.length(r.id), room, r.width, max_nodes=nodes)
             with r.stats.timed("tree"):
                 trees[r.id] = proposal.tree(nodes)
+                if self.batch.chains_only:  # the backend verifies one path per request
+                    trees[r.id] = trees[r.id].main_chain()
             if r.budget is None:
                 shared.append(r)
         shared_ids = {r.id for r in shared}

@@ -72,13 +72,25 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
 
 
+def batched_target(target, max_seqs: int = 32):
+    """The many-sequence view of ``target`` for its backend."""
+    if target.backend == "llamacpp":
+        from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+
+        return LlamaCppBatchedTarget(target, max_seqs=max_seqs)
+    return BatchedTarget(target)
+
+
 class BatchedTarget:
+    chains_only = False  # verifies whole trees, each row with its own tree mask
+
     def __init__(self, target):
         if target.backend != "torch":
             raise JetFlowError("batched decoding runs on the torch backend")
         if target._sliding_window:
             raise JetFlowError(f"batched decoding does not support sliding-window attention ({target.name}) yet")
         self.target = target
+        self.max_context = target.max_context
         self.cache = Cache(layers=[_RowsLayer() for _ in range(target.num_layers)])
         self.rows: list[_Row] = []
         self._next_id = 0
@@ -123,6 +135,18 @@ class BatchedTarget:
         self._next_id += 1
         self.rows.append(row)
         return row.id, out
+
+    def join_many(self, prompts: Sequence[Sequence[int]]) -> list[tuple[int, TargetOutput]]:
+        """:meth:`join` for each prompt (prefills run one at a time: rows differ in length)."""
+        joined = []
+        try:
+            for p in prompts:
+                joined.append(self.join(p))
+        except Exception:
+            for row_id, _ in joined:
+                self.leave(row_id)
+            raise
+        return joined
 
     @torch.inference_mode()
     def leave(self, row_id: int) -> None:

@@ -33,18 +33,8 @@ def generate_many(target, prompts: list[list[int]], max_new_tokens: int, tempera
     if any(len(p) == 0 for p in prompts):
         raise InvalidRequestError("empty prompt: nothing to generate from")
     slots = max(1, min(slots, len(prompts)))
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx = slots * (-(-longest // 256) * 256)  # llama.cpp splits cells evenly over sequences
-    cparams.n_batch = cparams.n_ubatch = n_batch
-    cparams.n_seq_max = slots
-    cparams.kv_unified = False
-    cparams.n_threads = cparams.n_threads_batch = target.n_threads
-    cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if target.flash_attn
-                               else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cparams.no_perf = True
-    ctx = lib.llama_init_from_model(target._model, cparams)
-    if not ctx:
-        raise LlamaCppError(f"llama.cpp could not create a {slots}-slot context of {cparams.n_ctx} cells")
+    # llama.cpp splits cells evenly over sequences
+    ctx = target.new_context(slots * (-(-longest // 256) * 256), n_batch, slots, unified=False)
     mem = lib.llama_get_memory(ctx)
     batch = _Batch(lib, n_batch, 1)
     stop = np.asarray(sorted(target.stop_token_ids()), dtype=np.int64)

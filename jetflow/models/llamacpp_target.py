@@ -25,6 +25,7 @@ import torch
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.gguf_meta import gguf_file_type
+from jetflow.tree.build import main_chain_nodes
 from jetflow.tree.mask import check_parents, tree_depths
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
@@ -137,15 +138,7 @@ def main_chain_first(parents: Sequence[int]) -> np.ndarray:
     children). llama.cpp places a batch's tokens in consecutive KV cells and sums attention in
     groups of cells, so the main chain's cells then sit exactly where one-token decoding puts
     them: its rows, and the cache after accepting a prefix of it, equal decoding bit for bit."""
-    first_child: dict[int, int] = {}
-    for node, parent in enumerate(parents):
-        first_child.setdefault(parent, node)
-    chain, node = [], 0
-    while True:
-        chain.append(node)
-        if node not in first_child:
-            break
-        node = first_child[node]
+    chain = main_chain_nodes(parents)
     on_chain = set(chain)
     return np.asarray(chain + [i for i in range(len(parents)) if i not in on_chain], dtype=np.int64)
 
@@ -197,17 +190,9 @@ class LlamaCppTarget(OwnsLlamaContext):
         self.n_threads = int(n_threads or os.cpu_count() or 1)
         self.n_batch = int(n_batch)
         self.flash_attn = bool(flash_attn)
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx
-        cparams.n_batch = cparams.n_ubatch = self.n_batch  # a whole tree runs as one graph
-        cparams.n_seq_max = MAX_SEQ
-        cparams.kv_unified = True  # one KV buffer whose cells can belong to several paths
-        cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.no_perf = True
-        self._ctx = lib.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise LlamaCppError(f"llama.cpp could not create a context for {self.gguf} (n_ctx={cparams.n_ctx})")
+        # One KV buffer whose cells can belong to several paths; a whole tree runs as one graph.
+        self._ctx = self.new_context(min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx, self.n_batch, MAX_SEQ,
+                                     unified=True)
         self.max_context = int(lib.llama_n_ctx(self._ctx))
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = _Batch(lib, self.n_batch, MAX_SEQ)
@@ -220,6 +205,26 @@ class LlamaCppTarget(OwnsLlamaContext):
 
         self.set_tapped_layers(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
         self.reset()
+
+    def new_context(self, n_ctx: int, n_batch: int, n_seq_max: int, unified: bool):
+        """A llama.cpp context on this model with this target's kernel settings (threads, flash
+        attention): the decoding context, and the many-sequence ones of batching and regeneration.
+        With ``unified`` False every sequence has cells of its own, n_ctx / n_seq_max of them."""
+        lib = self._lib
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = unified
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.gguf} "
+                                f"(n_ctx={n_ctx}, {n_seq_max} sequences)")
+        return ctx
 
     # ------------------------------------------------------------------ description
     @property

@@ -1,8 +1,8 @@
 """The generation worker: one thread owns the model, so the event loop never blocks on a forward pass
-and memory stays bounded by the queue length. With ``max_batch`` > 1 (torch backend) it runs up to
-that many jobs together, continuously batched (jetflow/decoding/batch.py): jobs join and leave
-between two decoding steps, and each step verifies every job's draft tree in one forward. With
-``max_batch`` = 1 (or on llama.cpp) it runs one job at a time.
+and memory stays bounded by the queue length. With ``max_batch`` > 1 it runs up to that many jobs
+together, continuously batched (jetflow/decoding/batch.py): jobs join and leave between two decoding
+steps (the jobs admitted together are prefilled together), and each step verifies every job's draft
+in one forward. With ``max_batch`` = 1 it runs one job at a time.
 
 A job's events (text deltas, then the result or an error) are handed to the event loop with
 ``call_soon_threadsafe``. Cancelling a job (client gone, shutdown) stops it between two decoding
@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1):
         self.jetflow = jetflow
         self.metrics = metrics
-        self.max_batch = max_batch if jetflow.target.backend == "torch" else 1
+        self.max_batch = max_batch
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
@@ -120,7 +120,8 @@ class Engine:
         load_budget = LoadBudget(jf.adaptive_budget().costs) if auto else None
 
         def new_decoder() -> BatchDecoder:
-            return BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft, load_budget=load_budget)
+            return BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft, load_budget=load_budget,
+                                max_batch=self.max_batch)
 
         decoder = new_decoder()
         jobs: dict[int, tuple[BatchRequest, Job, float]] = {}  # id(request) -> (request, job, start time)
@@ -136,10 +137,26 @@ class Engine:
                 self._running.discard(job)
                 self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
 
+        def admit(batch: list[tuple[BatchRequest, Job]]) -> None:
+            try:
+                decoder.add_many([req for req, _ in batch])
+            except Exception as e:
+                if len(batch) > 1:  # find the bad request: the others still run
+                    for one in batch:
+                        admit([one])
+                    return
+                batch[0][1]._emit("error", e)
+                return
+            for req, job in batch:
+                self._running.add(job)
+                jobs[id(req)] = (req, job, time.perf_counter())
+                settle(id(req))
+
         while True:
-            while not stopping and len(jobs) < self.max_batch:  # admit jobs between two steps
+            joining: list[tuple[BatchRequest, Job]] = []
+            while not stopping and len(jobs) + len(joining) < self.max_batch:  # admit jobs between two steps
                 try:
-                    job = self._queue.get(block=not jobs)
+                    job = self._queue.get(block=not jobs and not joining)
                 except queue.Empty:
                     break
                 if job is None:
@@ -150,14 +167,13 @@ class Engine:
                     continue
                 try:
                     ids, params, output = prepare_request(jf.target, job.prompt_ids, **job.request)
-                    budget = (None if auto else jf.budget) if head is not None else 0
-                    req = decoder.add(BatchRequest(ids, params, output, budget=budget, width=jf.width))
                 except Exception as e:  # a bad request fails alone
                     job._emit("error", e)
                     continue
-                self._running.add(job)
-                jobs[id(req)] = (req, job, time.perf_counter())
-                settle(id(req))
+                budget = (None if auto else jf.budget) if head is not None else 0
+                joining.append((BatchRequest(ids, params, output, budget=budget, width=jf.width), job))
+            if joining:
+                admit(joining)
             for key, (req, job, _) in list(jobs.items()):
                 if job.cancelled.is_set():
                     decoder.cancel(req)

@@ -55,9 +55,27 @@ class DraftTree:
         """The first ``size`` nodes: for a best-first tree, the tree of budget ``size - 1``."""
         return DraftTree(self.tokens[:size], self.parents[:size], self.depths[:size], self.scores[:size])
 
+    def main_chain(self) -> "DraftTree":
+        """The chain root -> first child -> first child ...: in a best-first tree, the most likely
+        path (what a verifier that takes chains only checks)."""
+        nodes = main_chain_nodes(self.parents)
+        return DraftTree([self.tokens[i] for i in nodes], list(range(-1, len(nodes) - 1)),
+                         list(range(len(nodes))), [self.scores[i] for i in nodes])
+
     @classmethod
     def root_only(cls, token: int) -> "DraftTree":
         return cls([int(token)], [-1], [0], [0.0])
+
+
+def main_chain_nodes(parents) -> list[int]:
+    """Nodes of the chain root -> first child -> first child ... (children in node order)."""
+    first_child: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        first_child.setdefault(int(parent), node)
+    chain = [0]
+    while chain[-1] in first_child:
+        chain.append(first_child[chain[-1]])
+    return chain
 
 
 def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width: int,

@@ -1,0 +1,135 @@
+"""Many requests in one llama.cpp context (continuous batching on the llama.cpp backend).
+
+Each request has a KV stream of its own, so its rows are computed exactly as if it ran alone: every
+verify row, prefill row and feature must equal the solo target's bit for bit (GGML_LLAMAFILE=OFF
+makes multi-token rows equal one-token decodes), through joins, leaves (a stream copy) and commits.
+"""
+
+import random
+
+import pytest
+import torch
+
+import jetflow
+from jetflow.errors import InvalidRequestError
+from jetflow.models.loading import llamacpp_available
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def llama_target():
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    from jetflow.models.loading import load_target
+
+    return load_target("smollm2-135m-instruct", backend="llamacpp", n_threads=2)
+
+
+def chain(rng, k):
+    return [rng.randrange(100, 20000) for _ in range(k)], list(range(-1, k - 1))
+
+
+def test_rows_equal_each_sequence_alone(llama_target):
+    from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+
+    t = llama_target
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(n)] for n in (30, 71, 12, 5)]
+    batch = LlamaCppBatchedTarget(t, max_seqs=4, context_per_seq=512)
+    joined = batch.join_many(prompts[:3])  # three prefills share each decode
+    for (sid, out), p in zip(joined, prompts):
+        ref = t.prefill(p)
+        assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
+    ids = [sid for sid, _ in joined]
+    for step in range(6):
+        if step == 2:
+            ids.append(batch.join(prompts[3])[0])
+        if step == 4:  # a sequence in the middle leaves: the last one's stream moves into its place
+            batch.leave(ids.pop(1))
+        k = rng.randrange(1, 5)  # the decoder gives every sequence the same chain length
+        trees = {i: chain(rng, k) for i in ids}
+        outs = batch.verify(trees)
+        paths = {}
+        for i in ids:
+            t.prefill(batch.token_ids(i))
+            ref = t.verify(*trees[i])
+            assert torch.equal(outs[i].logits, ref.logits), (step, i)
+            assert torch.equal(outs[i].hidden, ref.hidden), (step, i)
+            paths[i] = list(range(rng.randrange(1, k + 1)))
+        batch.commit(paths)
+    for i in ids:  # the committed cache equals a fresh prefill: the next token's logits agree
+        nxt = chain(rng, 1)
+        out = batch.verify({j: (nxt if j == i else chain(rng, 1)) for j in ids})[i]
+        batch.commit({j: [] for j in ids})
+        assert torch.equal(out.logits, t.prefill(batch.token_ids(i) + nxt[0]).logits[-1:])
+        assert batch.length(i) == len(batch.token_ids(i))
+
+
+def test_unequal_chains_and_bad_input(llama_target):
+    from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+
+    t = llama_target
+    rng = random.Random(1)
+    batch = LlamaCppBatchedTarget(t, max_seqs=2, context_per_seq=256)
+    (a, _), (b, _) = batch.join_many([[5, 6, 7], [8, 9]])
+    outs = batch.verify({a: chain(rng, 3), b: chain(rng, 1)})  # llama.cpp splits it into two graphs
+    assert outs[a].logits.shape[0] == 3 and outs[b].logits.shape[0] == 1
+    batch.commit({a: [0, 1], b: [0]})
+    with pytest.raises(ValueError, match="verifies chains"):
+        batch.verify({a: ([1, 2, 3], [-1, 0, 0]), b: chain(rng, 1)})
+    with pytest.raises(ValueError, match="a chain for every sequence"):
+        batch.verify({a: chain(rng, 1)})
+    with pytest.raises(InvalidRequestError, match="at most 2 sequences"):
+        batch.join([1, 2])
+    with pytest.raises(InvalidRequestError, match="256 tokens of context"):
+        LlamaCppBatchedTarget(t, max_seqs=1, context_per_seq=256).join(list(range(300)))
+    with pytest.raises(RuntimeError, match="without a verify"):
+        batch.commit({a: [0], b: [0]})
+    with pytest.raises(InvalidRequestError, match="context of 256"):
+        batch.verify({a: chain(rng, 1), b: chain(rng, 300)})
+    assert batch.length(a) == 5 and batch.length(b) == 3  # nothing was lost by the refusals
+
+
+def _request(target, question, budget, **kw):
+    from jetflow.decoding.api import prepare_request
+    from jetflow.decoding.batch import BatchRequest
+
+    ids, params, output = prepare_request(target, [{"role": "user", "content": question}], **kw)
+    return BatchRequest(ids, params, output, budget=budget, width=7)
+
+
+QUESTIONS = ["What is 12 times 7?", "Natalia sold 48 clips in April and half as many in May. How many in all?",
+             "Name three colors.", "Write a haiku about rain."]
+
+
+def test_batched_decoding_equals_solo(llama_target):
+    """The shipped drafter: requests of different lengths and budgets (one on the load budget),
+    joining at different steps, greedy and seeded sampling. Greedy output equals llama.cpp's plain
+    decoding; a seeded sampled request gives the same text in a busy batch as alone in one."""
+    from jetflow.decoding.batch import BatchDecoder
+    from jetflow.decoding.load_budget import LoadBudget
+    from jetflow.models.checkpoint import load_drafter
+
+    t = llama_target
+    head = load_drafter("jetflow/drafters/smollm2-135m-instruct", target=t)
+    jf = jetflow.JetFlow(t, head)
+    decoder = BatchDecoder(t, head, load_budget=LoadBudget(jf.adaptive_budget().costs), max_batch=4)
+    specs = [(QUESTIONS[0], 4, dict(max_new_tokens=40)), (QUESTIONS[1], None, dict(max_new_tokens=24)),
+             (QUESTIONS[2], 0, dict(max_new_tokens=20)), (QUESTIONS[3], 3, dict(max_new_tokens=30, temperature=0.8,
+                                                                                 seed=5))]
+    reqs = decoder.add_many([_request(t, q, b, **kw) for q, b, kw in specs[:2]])
+    decoder.step()
+    reqs += [decoder.add(_request(t, q, b, **kw)) for q, b, kw in specs[2:]]
+    while decoder.active:
+        decoder.step()
+    for r, (q, budget, kw) in zip(reqs[:3], specs[:3]):
+        alone = jetflow.generate(t, [{"role": "user", "content": q}], **kw)
+        assert r.result.token_ids == alone.token_ids, q
+    assert reqs[0].result.stats["tau"] > 1.0
+    solo = BatchDecoder(t, head, max_batch=1)
+    r = solo.add(_request(t, specs[3][0], 3, **specs[3][2]))
+    while solo.active:
+        solo.step()
+    assert r.result.token_ids == reqs[3].result.token_ids
+    assert decoder.batch.seqs == []
