@@ -133,3 +133,32 @@ def test_batched_decoding_equals_solo(llama_target):
         solo.step()
     assert r.result.token_ids == reqs[3].result.token_ids
     assert decoder.batch.seqs == []
+
+
+def test_prompt_prefix_cache_gives_the_same_rows(llama_target):
+    """Prompts sharing a chat template's system block reuse its cells from the cache stream; their
+    prefill logits, features and later rows still equal the prompt run alone, bit for bit."""
+    from jetflow.decoding.prompt import encode_prompt
+    from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+
+    t = llama_target
+    rng = random.Random(2)
+    prompts = [encode_prompt(t.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    batch = LlamaCppBatchedTarget(t, max_seqs=3, context_per_seq=256)
+    first = batch.join(prompts[0])[0]
+    assert batch.prefix_tokens_reused == 0
+    joined = batch.join_many(prompts[1:3])
+    assert batch.prefix_tokens_reused >= 2 * 20  # the system block of both
+    batch.leave(first)
+    joined.append(batch.join(prompts[3]))
+    for (sid, out), p in zip(joined, prompts[1:]):
+        ref = t.prefill(p)
+        assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
+    ids = [sid for sid, _ in joined]
+    for _ in range(3):
+        trees = {i: chain(rng, 2) for i in ids}
+        outs = batch.verify(trees)
+        for i in ids:
+            t.prefill(batch.token_ids(i))
+            assert torch.equal(outs[i].logits, t.verify(*trees[i]).logits)
+        batch.commit({i: [0, 1] for i in ids})

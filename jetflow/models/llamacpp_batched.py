@@ -15,6 +15,12 @@ sequence ids, and a token may belong to one sequence only. So:
 
 Rows of a verify are in sequence-id order; llama.cpp returns logits and layer-input taps in batch
 order, so every request gets exactly its own rows.
+
+Prompt prefix cache: one more stream keeps a recent prompt's cells (and its tapped features). A
+joining prompt that shares at least ``MIN_SHARED`` leading tokens with it (a chat template's
+system block, a shared document) starts from a copy of that stream and prefills only the rest. The
+copied cells are what its own prefill would have written (rows do not depend on the batch), so the
+output is unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import torch
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, check_path
 from jetflow.models.llamacpp_target import LlamaCppError, OwnsLlamaContext, _Batch
+
+
+MIN_SHARED = 16  # shortest shared prompt prefix worth copying a stream for
 
 
 @dataclass
@@ -50,7 +59,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         per_seq = int(context_per_seq or target.max_context)
         per_seq = -(-per_seq // 256) * 256  # llama.cpp rounds each sequence's share up to 256 cells
         self.n_batch = int(n_batch or max(target.n_batch, 17 * self.max_seqs))
-        self._ctx = target.new_context(per_seq * self.max_seqs, self.n_batch, self.max_seqs, unified=False)
+        # streams 0..max_seqs-1 for requests, stream max_seqs for the prompt prefix cache
+        self._ctx = target.new_context(per_seq * (self.max_seqs + 1), self.n_batch, self.max_seqs + 1, unified=False)
         self._model = None  # the model belongs to the target
         self.max_context = per_seq
         self._mem = self._lib.llama_get_memory(self._ctx)
@@ -60,6 +70,10 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self.seqs: list[_Seq] = []  # seqs[i].slot == i
         self._next_id = 0
         self._pending: dict[int, int] | None = None  # sequence id -> nodes of its verified chain
+        self._cache_slot = self.max_seqs
+        self._cached: list[int] = []  # the prompt held by the cache stream
+        self._cached_hidden: torch.Tensor | None = None
+        self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to the cache
 
     # ------------------------------------------------------------------ sequences
     def _seq(self, seq_id: int) -> _Seq:
@@ -96,9 +110,16 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             if (p < 0).any() or (p >= self.target.vocab_size).any():
                 raise InvalidRequestError(f"token ids must be in [0, {self.target.vocab_size})")
         first = len(self.seqs)
-        fed = [0] * len(prompts)
+        shared = [self._shared_prefix(p) for p in prompts]
+        fed = list(shared)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
         hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for i, m in enumerate(shared):
+            if m:  # start from a copy of the cache stream, cut to the shared part
+                self._lib.llama_memory_seq_cp(self._mem, self._cache_slot, first + i, -1, -1)
+                self._lib.llama_memory_seq_rm(self._mem, first + i, m, -1)
+                if self._cached_hidden is not None:
+                    hidden[i].append(self._cached_hidden[:m])
         try:
             while any(f < p.size for f, p in zip(fed, prompts)):
                 n, spans = 0, []  # spans: (prompt index, first batch row, rows)
@@ -130,6 +151,11 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             for i in range(len(prompts)):
                 self._lib.llama_memory_seq_rm(self._mem, first + i, -1, -1)
             raise
+        self.prefix_tokens_reused += sum(shared)
+        if max(shared) == 0:  # the cache serves none of them: renew it
+            self._lib.llama_memory_seq_cp(self._mem, first, self._cache_slot, -1, -1)
+            self._cached = prompts[0].tolist()
+            self._cached_hidden = torch.cat(hidden[0]) if hidden[0] else None
         joined = []
         for i, p in enumerate(prompts):
             s = _Seq(self._next_id, first + i, int(p.size), p.tolist())
@@ -137,6 +163,16 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             self.seqs.append(s)
             joined.append((s.id, TargetOutput(logits[i], torch.cat(hidden[i]) if hidden[i] else None)))
         return joined
+
+    def _shared_prefix(self, prompt: np.ndarray) -> int:
+        """Leading tokens ``prompt`` can take from the cache stream (0 when too few to bother); at
+        least one token is left to prefill, whose logits the caller needs."""
+        n = min(len(self._cached), prompt.size - 1)
+        if n < MIN_SHARED:
+            return 0
+        same = np.flatnonzero(np.asarray(self._cached[:n], dtype=np.int32) != prompt[:n])
+        m = int(same[0]) if same.size else n
+        return m if m >= MIN_SHARED else 0
 
     def leave(self, seq_id: int) -> None:
         if self._pending is not None:
