@@ -183,3 +183,35 @@ def test_batched_decoding_equals_solo_on_smollm2(smollm2):
         alone = jetflow.generate(smollm2, [{"role": "user", "content": q}], max_new_tokens=n)
         assert r.result.token_ids == alone.token_ids
         assert r.result.stats["tau"] > 1.0
+
+
+@pytest.mark.parametrize("attention,int8", [("causal", False), ("bidirectional", False), ("causal", True)])
+def test_batched_drafting_equals_one_by_one(target, solo, attention, int8):
+    """One head forward for several requests' drafts (padded contexts, longest block) gives each
+    request the distributions its own draft gives, and propose_many the same trees."""
+    from jetflow.decoding.block_drafter import BlockDrafter, head_logprobs_many
+    from jetflow.decoding.drafter import make_drafter, propose_many
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6, attention=attention,
+                                                feed_last_feature=True, depth_embedding=True))
+    rng = random.Random(1)
+    drafters, anchors, positions = [], [], []
+    for n in (5, 17, 9):
+        out = solo.prefill([rng.randrange(3, 200) for _ in range(n)])
+        d = BlockDrafter(head, solo, int8=int8)
+        d.extend(out.hidden)
+        drafters.append(d)
+        anchors.append(rng.randrange(3, 200))
+        positions.append(n)
+    depths = [2, None, 4]
+    if not int8:  # int8 drafters are not batched (see propose_many); the trees below still agree
+        together = head_logprobs_many(drafters, anchors, positions, depths)
+        for d, a, p, depth, lp in zip(drafters, anchors, positions, depths, together):
+            torch.testing.assert_close(lp, d.head_logprobs(a, p, depth), atol=1e-4, rtol=1e-4)
+    mixed = [make_drafter(head, solo, lookup=True, int8=int8) for _ in range(2)]
+    for d, n in zip(mixed, (7, 11)):
+        d.primary.extend(solo.prefill([rng.randrange(3, 200) for _ in range(n)]).hidden)
+    trees = [p.tree(8) for p in propose_many(mixed, [5, 6], [7, 11], [20, 20], [3, 3], [8, 8])]
+    alone = [d.propose(a, p, 20, 3, 8).tree(8) for d, a, p in zip(mixed, [5, 6], [7, 11])]
+    assert [t.tokens for t in trees] == [t.tokens for t in alone]

@@ -87,6 +87,18 @@ class BlockDrafter:
         draft vocabulary get -inf); see :meth:`head_logprobs`."""
         return scatter_draft_vocab(self.head_logprobs(anchor, position, depth), self.draft_ids, self.vocab_size)
 
+    def slots(self, depth: int | None) -> int:
+        """Block slots a draft of ``depth`` levels runs (a causal head skips the deeper ones)."""
+        b = self.block_size
+        if depth is not None and self.head.config.attention == "causal":
+            b = max(2, min(b, depth + 1))
+        return b
+
+    def _output_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float().log_softmax(-1)
+        return draft_logprobs(hidden, self.lm_weight)
+
     @torch.inference_mode()
     def head_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
         """Draft log-probabilities [D, Vd] of the tokens at depths 1..D after ``anchor``, over the
@@ -96,18 +108,52 @@ class BlockDrafter:
         self._project_pending()
         if position != self.context_len:
             raise RuntimeError(f"draft context holds {self.context_len} tokens but the anchor is at {position}")
-        b = self.block_size
-        if depth is not None and self.head.config.attention == "causal":
-            b = max(2, min(b, depth + 1))
+        b = self.slots(depth)
         device = self.head.fc.weight.device
         ids = torch.full((b,), self.head.config.mask_token_id, dtype=torch.long, device=device)
         ids[0] = anchor
         positions = torch.arange(position, position + b, device=device)
         mask = self.head.block_mask(self.context_len, device)[:b, : self.context_len + b]
         hidden = self.run_head(self.embed(ids), positions, self.context_kv, mask, self.last_feature)
-        if self.lm_head is not None:
-            return self.lm_head(hidden[1:]).float().log_softmax(-1)
-        return draft_logprobs(hidden[1:], self.lm_weight)
+        return self._output_logprobs(hidden[1:])
+
+
+@torch.inference_mode()
+def head_logprobs_many(drafters: list[BlockDrafter], anchors: list[int], positions: list[int],
+                       depths: list[int | None]) -> list[torch.Tensor]:
+    """:meth:`BlockDrafter.head_logprobs` of several drafters of one head (one per request, each
+    with its own context) in ONE head forward: contexts padded to the longest and masked, every
+    block as long as the longest needed (a causal head's slot j never sees later slots, so each
+    request then reads its first slots). Equal to the one-by-one results up to float rounding."""
+    first = drafters[0]
+    device = first.head.fc.weight.device
+    for d, position in zip(drafters, positions):
+        d._project_pending()
+        if position != d.context_len:
+            raise RuntimeError(f"draft context holds {d.context_len} tokens but the anchor is at {position}")
+    slots = [d.slots(depth) for d, depth in zip(drafters, depths)]
+    b, r = max(slots), len(drafters)
+    c = max(d.context_len for d in drafters)
+    ids = torch.full((r, b), first.head.config.mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = torch.as_tensor(anchors, dtype=torch.long, device=device)
+    pos = torch.as_tensor(positions, device=device)[:, None] + torch.arange(b, device=device)
+    lengths = torch.as_tensor([d.context_len for d in drafters], device=device)
+    inner = first.head.block_mask(0, device)[:b, :b]
+    mask = torch.cat([(torch.arange(c, device=device) < lengths[:, None])[:, None, :].expand(r, b, c),
+                      inner.expand(r, b, b)], dim=-1)
+    context_kv = []
+    for layer in range(len(first.context_kv)):
+        k0, v0 = first.context_kv[layer]
+        k = k0.new_zeros(r, k0.shape[0], c, k0.shape[-1])
+        v = v0.new_zeros(r, v0.shape[0], c, v0.shape[-1])
+        for i, d in enumerate(drafters):
+            dk, dv = d.context_kv[layer]
+            k[i, :, :d.context_len], v[i, :, :d.context_len] = dk, dv
+        context_kv.append((k, v))
+    last = torch.stack([d.last_feature for d in drafters])[:, None, :]
+    hidden = first.run_head(first.embed(ids), pos, context_kv, mask, last)
+    out = first._output_logprobs(hidden[:, 1:])
+    return [out[i, :n - 1] for i, n in enumerate(slots)]
 
 
 def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None,

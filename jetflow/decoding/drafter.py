@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.block_drafter import BlockDrafter, BlockProposal, head_logprobs_many
 from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.models.backend import TargetBackend
@@ -53,3 +53,32 @@ def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False, loo
     options = {"int8": int8} if head.kind == "block" else {}  # EAGLE's sequential forwards stay float
     drafter = DRAFTERS[head.kind](head, target, **options)
     return MixedDrafter(drafter, target) if lookup else drafter
+
+
+def propose_many(drafters: list[Drafter], anchors: list[int], positions: list[int], rooms: list[int],
+                 widths: list[int], max_nodes: list[int | None]) -> list[Proposal]:
+    """Each drafter's :meth:`Drafter.propose`, with the float block-head drafters of one head (one
+    per request of a batch) sharing ONE head forward; other drafters propose one by one."""
+    proposals: list[Proposal | None] = [None] * len(drafters)
+    base = [d.primary if isinstance(d, MixedDrafter) else d for d in drafters]
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(base):
+        # int8 drafts quantize each call's activations with one scale: batched, a request's draft
+        # would depend on its batch-mates, so they run one by one.
+        if isinstance(d, BlockDrafter) and not d.int8:
+            groups.setdefault(id(d.head), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        depths = [min(rooms[i], max_nodes[i]) if max_nodes[i] is not None else rooms[i] for i in members]
+        logprobs = head_logprobs_many([base[i] for i in members], [anchors[i] for i in members],
+                                      [positions[i] for i in members], depths)
+        for i, lp in zip(members, logprobs):
+            head = BlockProposal(lp[:rooms[i]], anchors[i], widths[i], base[i].draft_ids)
+            d = drafters[i]
+            proposals[i] = (d.propose(anchors[i], positions[i], rooms[i], widths[i], max_nodes[i], primary=head)
+                            if isinstance(d, MixedDrafter) else head)
+    for i, d in enumerate(drafters):
+        if proposals[i] is None:
+            proposals[i] = d.propose(anchors[i], positions[i], rooms[i], widths[i], max_nodes[i])
+    return proposals

@@ -89,11 +89,14 @@ class MixedDrafter:
     def extend(self, features: torch.Tensor) -> None:
         self.primary.extend(features)
 
-    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> MixedProposal:
+    def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None,
+                primary=None) -> MixedProposal:
+        """``primary``: the head's proposal when it was already made (batched drafting)."""
         history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
         ngram, chain = lookup_match(history, self.max_ngram, min(self.max_draft, room))
         self._last = (ngram, chain) if chain else None
-        primary = self.primary.propose(anchor, position, room, width, max_nodes)
+        if primary is None:
+            primary = self.primary.propose(anchor, position, room, width, max_nodes)
         return MixedProposal(primary, int(anchor), chain, self.calibration.rates(ngram, len(chain)))
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
