@@ -159,7 +159,8 @@ def cmd_train(args) -> int:
                          grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
-                         head=args.head, ttt_steps=args.ttt_steps)
+                         head=args.head, ttt_steps=args.ttt_steps, dense_depth1=args.dense_depth1,
+                         embed_norm=args.embed_norm)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -218,6 +219,23 @@ def cmd_eval_offline(args) -> int:
     return 0
 
 
+def cmd_eval_agreement(args) -> int:
+    from jetflow.eval.depth_agreement import evaluate_agreement
+    from jetflow.utils.fs import write_json_atomic
+
+    missing = [d for d in args.drafter if not Path(d).is_dir()]
+    if missing:
+        raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    target = _load_jetflow_target(args, training=True)
+    report = evaluate_agreement(target, args.drafter, args.data, args.teacher_cache, args.sequences, args.max_depth,
+                                log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        write_json_atomic(args.out, report)
+    print(json.dumps({k: {"agreement": v["agreement"], "prefix_agreement": v["prefix_agreement"]}
+                      for k, v in report["drafters"].items()}))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from jetflow.eval.bench import run_bench
     from jetflow.eval.datasets import load_eval_set
@@ -251,10 +269,6 @@ def cmd_serve(args) -> int:
 
     from jetflow.serve.server import serve
 
-    if args.backend == "auto" and args.max_batch > 1:
-        # Many clients: the torch runtime batches (a 32-token forward costs ~3 one-token steps on a
-        # CPU), llama.cpp's batched kernels barely do; --backend llamacpp serves one request at a time.
-        args.backend = "torch"
     jf = _load_jetflow(args)
     serve(jf, host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
@@ -405,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feed-last-feature", action="store_true",
                    help="add the anchor embedding and the target feature before it to every slot's input")
     t.add_argument("--depth-embedding", action="store_true", help="learned per-depth embedding of the block slots")
+    t.add_argument("--dense-depth1", type=float, default=0.0, metavar="W",
+                   help="causal block heads: add W x the mean depth-1 loss over 2-slot blocks [anchor, MASK] at every "
+                        "answer position (0 = off)")
+    t.add_argument("--embed-norm", action="store_true",
+                   help="block heads: RMS-normalise the slots' token embeddings before the fused feature is added")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,
@@ -442,6 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)
+    a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
+                                              "every answer position of held-out regenerated sequences")
+    _add_target_args(a)
+    a.add_argument("--drafter", required=True, action="append", help="drafter checkpoint, block or eagle3 (repeat)")
+    a.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output")
+    a.add_argument("--teacher-cache", type=Path, default=None,
+                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
+    a.add_argument("--sequences", default=None, help="START:END range of sequences in shard order (default: all)")
+    a.add_argument("--max-depth", type=_positive_int, default=4)
+    a.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    a.set_defaults(func=cmd_eval_agreement)
     b = sub.add_parser("bench", help="benchmark decoding methods over evaluation sets and budgets "
                                      "(JSON per run, Markdown summary, plots; resumable)")
     _add_target_args(b)
@@ -481,8 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_non_negative_int, default=8000)
     v.add_argument("--max-batch", type=_positive_int, default=32,
-                   help="requests decoded together, continuously batched: each step verifies all their draft trees "
-                        "in one forward (torch backend; 1 = one request at a time; llama.cpp serves one at a time)")
+                   help="requests decoded together, continuously batched: each step verifies all their drafts in "
+                        "one forward (1 = one request at a time); on llama.cpp each request holds a KV stream of the "
+                        "model's context length")
     v.add_argument("--max-queue", type=_positive_int, default=16,
                    help="requests allowed to wait for the generation worker; more get 429 + Retry-After")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (or set "

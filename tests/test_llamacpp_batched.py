@@ -162,3 +162,41 @@ def test_prompt_prefix_cache_gives_the_same_rows(llama_target):
             t.prefill(batch.token_ids(i))
             assert torch.equal(outs[i].logits, t.verify(*trees[i]).logits)
         batch.commit({i: [0, 1] for i in ids})
+
+
+def test_batched_llamacpp_server_equals_solo(tmp_path):
+    """`jetflow serve --backend llamacpp --max-batch 3`: five concurrent requests of different
+    lengths (streamed and not) each get llama.cpp's own greedy output."""
+    import asyncio
+
+    import httpx
+
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    from test_serve import start_server, stop
+
+    from jetflow.models.loading import load_target
+
+    proc, base = start_server("smollm2-135m-instruct", "auto", "--backend", "llamacpp", "--max-batch", "3", "--budget", "4",
+                              "--threads", "2")
+    asks = [(QUESTIONS[0], 30), (QUESTIONS[1], 48), (QUESTIONS[2], 12), (QUESTIONS[3], 24), ("Say hi.", 8)]
+
+    async def ask(c, text, n):
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0}
+        return (await c.post(base + "/v1/chat/completions", json=body)).json()["choices"][0]["message"]["content"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*[ask(c, *a) for a in asks])
+
+    try:
+        texts = asyncio.run(main())
+        metrics = httpx.get(base + "/metrics").text
+    finally:
+        assert stop(proc) == 0
+    t = load_target("smollm2-135m-instruct", backend="llamacpp", n_threads=2)
+    for (q, n), got in zip(asks, texts):
+        assert got == jetflow.generate(t, [{"role": "user", "content": q}], max_new_tokens=n).text, q
+    sizes = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+             if line.startswith("jetflow_batch_size_")}
+    assert sizes['jetflow_batch_size_bucket{le="1"}'] < sizes["jetflow_batch_size_count"]  # steps with >1 request

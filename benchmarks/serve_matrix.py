@@ -1,0 +1,101 @@
+"""Server configurations side by side in one run: for each, start `jetflow serve`, run
+benchmarks/load_server.py windows against it, stop it (SIGTERM), and collect the results.
+
+    python benchmarks/serve_matrix.py --configs llamacpp-batch,torch-batch,torch-serial \
+        --clients 1,8,32 --seconds 120 --out docs/results/server_matrix.json
+
+A config is BACKEND-MODE: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
+(--max-batch 1, one request at a time); ``CONFIG:CLIENTS`` restricts its client counts, e.g.
+``torch-serial:1``. Every server uses the shipped drafter and --budget auto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the server at {url} was not ready after {timeout:.0f} s")
+
+
+def run_config(name: str, clients: str, args) -> dict:
+    backend, _, mode = name.partition("-")
+    if backend not in ("torch", "llamacpp") or mode not in ("batch", "serial"):
+        raise SystemExit(f"config {name!r}: expected BACKEND-MODE with BACKEND torch|llamacpp and MODE batch|serial")
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
+           "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64"]
+    print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(url, server)
+        out = Path(args.tmp) / f"{name}.json"
+        subprocess.run([sys.executable, str(HERE / "load_server.py"), "--url", url, "--clients", clients,
+                        "--seconds", str(args.seconds), "--max-tokens", str(args.max_tokens), "--out", str(out)],
+                       check=True)
+        result = json.loads(out.read_text())
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    windows = result["windows"] if "windows" in result else [result]
+    return {"command": " ".join(["jetflow"] + cmd[3:]), "windows": windows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="llamacpp-batch,torch-batch,torch-serial:1")
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--tmp", default="/tmp")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {}  # resumable: finished configs are kept
+    for spec in args.configs.split(","):
+        name, _, clients = spec.partition(":")
+        if name in results:
+            print(f"== {name}: already in {out}, skipped", flush=True)
+            continue
+        results[name] = run_config(name, clients or args.clients, args)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2))
+        os.replace(tmp, out)
+    print("| config | clients | tokens/s | p50 latency s | p50 TTFT s | p99 TTFT s | mean batch | 5xx |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        for w in r["windows"]:
+            print(f"| {name} | {w['clients']} | {w['tokens_per_s']:.1f} | {w['latency_s']['p50']:.2f} | "
+                  f"{w['ttft_s']['p50']:.2f} | {w['ttft_s']['p99']:.2f} | {w['mean_batch_size'] or 1:.1f} | "
+                  f"{w['server_errors_5xx']} |")
+
+
+if __name__ == "__main__":
+    main()
