@@ -215,3 +215,28 @@ def test_batched_drafting_equals_one_by_one(target, solo, attention, int8):
     trees = [p.tree(8) for p in propose_many(mixed, [5, 6], [7, 11], [20, 20], [3, 3], [8, 8])]
     alone = [d.propose(a, p, 20, 3, 8).tree(8) for d, a, p in zip(mixed, [5, 6], [7, 11])]
     assert [t.tokens for t in trees] == [t.tokens for t in alone]
+
+
+def test_a_lone_request_gets_the_single_stream_budget():
+    """With one request in the batch the load budget is the single-stream policy: same draft size,
+    same choice, and the same plain/drafted decisions once drafting stops paying."""
+    from jetflow.decoding.budget import AdaptiveBudget
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+    from jetflow.tree.build import build_tree
+
+    ms = {n: 10.0 + 2.5 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    costs = CostCurve({"c1_ms": 10.0, "verify_ms": ms, "draft_ms": {}})
+    load, single = LoadBudget(costs, max_budget=16), AdaptiveBudget(costs)
+    torch.manual_seed(0)
+    for confidence in (3.0, 0.1):
+        lp = (torch.randn(15, 50) * confidence).log_softmax(-1)
+        tree = build_tree(lp, 1, 256, 3)
+        for _ in range(12):
+            assert load.draft_nodes(1) == single.draft_nodes()
+            assert load.should_draft(1) == single.should_draft()
+            assert load.choose([tree], 0.0) == single.choose(tree)
+            path = [0, tree.children[0][tree.tokens[1]]] if confidence > 1 else [0]
+            load.observe(tree, path, 1.0)
+            single.observe(tree, path, 1.0)
+    assert load.draft_nodes(8) <= 16  # a batch stays within the load budget's cap

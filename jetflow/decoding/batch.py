@@ -146,11 +146,13 @@ class BatchDecoder:
             if r not in drafts:
                 trees[r.id] = DraftTree.root_only(r.root)
         if drafts:  # one head forward for all of them
-            nodes = [r.budget if r.budget is not None else self.load_budget.draft_nodes() for r in drafts]
+            nodes = [r.budget if r.budget is not None else self.load_budget.draft_nodes(len(self.active))
+                     for r in drafts]
             lengths = [self.batch.length(r.id) for r in drafts]
             proposals = propose_many([r._drafter for r in drafts], [r.root for r in drafts], lengths,
                                      [self.batch.max_context - n - 1 for n in lengths], [r.width for r in drafts], nodes)
-            draft_s = (time.perf_counter() - t_draft) / len(drafts)
+            t_drafted = time.perf_counter()
+            draft_s = (t_drafted - t_draft) / len(drafts)
             for r, proposal, n in zip(drafts, proposals, nodes):
                 r.stats.seconds["draft"] += draft_s
                 with r.stats.timed("tree"):
@@ -159,6 +161,7 @@ class BatchDecoder:
                         trees[r.id] = trees[r.id].main_chain()
                 if r.budget is None:
                     shared.append(r)
+        t_tree = time.perf_counter() if not drafts else t_drafted
         shared_ids = {r.id for r in shared}
         if shared:  # one node cap for this step, priced over the whole batch
             cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3)
@@ -167,6 +170,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         outs = self.batch.verify({rid: (tree.tokens, tree.parents) for rid, tree in trees.items()})
         verify_s = time.perf_counter() - t0
+        t_verified = t0 + verify_s
         self.forwards += 1
         sizes = [len(t) for t in trees.values()]
         self.last_step = {"batch": len(sizes), "tokens": len(sizes) * max(sizes), "nodes": sum(sizes) - len(sizes)}
@@ -177,8 +181,10 @@ class BatchDecoder:
             paths[r.id], bonuses[r.id] = accept_path(tree, out.logits, r.params, r._generator)
             if r._drafter is not None and len(tree) > 1:
                 r._drafter.observe(tree, paths[r.id])
-            if r.id in shared_ids:
-                self.load_budget.observe(tree, paths[r.id])
+            lone = len(trees) == 1 and r.budget is None and r._drafter is not None
+            if r.id in shared_ids or lone:  # a lone request's round outside draft and verify: tree, acceptance
+                other = (t0 - t_tree) + (time.perf_counter() - t_verified) if lone else None
+                self.load_budget.observe(tree, paths[r.id], None if other is None else other * 1e3)
         self.batch.commit(paths)
         for r in list(self.active):
             tree, path = trees[r.id], paths[r.id]

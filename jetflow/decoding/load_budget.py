@@ -10,7 +10,8 @@ cap n that maximises expected tokens per millisecond over all requests:
 with E_r from the requests' own draft scores through the acceptance rates measured so far
 (:class:`AdaptiveBudget`'s estimator, shared by all requests) and c from the machine's cost curve
 (a forward over k tokens costs about what a k-token tree costs alone: the matmuls see the same
-tokens). A lone request gets the single-stream choice; as the batch grows the trees shrink, and
+tokens). A lone request gets the single-stream policy itself (:class:`AdaptiveBudget`: trees up to
+256 nodes, its own exploration and overhead estimate); as the batch grows the trees shrink, and
 when even the best cap is slower than a plain batched step (n = 0, no drafts) steps are plain, with
 an exploring drafted step now and then to keep the estimate current (the gap doubles, up to
 ``max_explore_every``, while exploring keeps finding that drafting does not pay). What drafting
@@ -29,7 +30,8 @@ class LoadBudget:
     def __init__(self, costs: CostCurve, max_budget: int = 64, explore_every: int = 8, max_explore_every: int = 64):
         self.costs, self.max_budget = costs, max_budget
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
-        self.acceptance = AdaptiveBudget(costs, max_budget=max_budget)  # its per-(depth, q) acceptance counts
+        # A lone request's policy; its per-(depth, q) acceptance counts serve every batch size.
+        self.single = self.acceptance = AdaptiveBudget(costs)
         self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
         self.recent_cap = max_budget
         self._plain_steps: dict[int, int] = {}
@@ -47,11 +49,15 @@ class LoadBudget:
     def plain_rate(self, batch: int) -> float:
         return batch / self.forward_ms(batch)
 
-    def draft_nodes(self) -> int:
+    def draft_nodes(self, batch: int = 2) -> int:
         """How many nodes each request drafts (trees are then cut to the chosen cap)."""
+        if batch == 1:
+            return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
     def should_draft(self, batch: int) -> bool:
+        if batch == 1:
+            return self.single.should_draft()
         b = self.bucket(batch)
         rate = self.draft_rate.get(b)
         if rate is None or rate >= self.plain_rate(batch):
@@ -67,6 +73,8 @@ class LoadBudget:
     def choose(self, trees: list[DraftTree], draft_ms: float) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only)."""
         batch = len(trees)
+        if batch == 1:
+            return self.single.choose(trees[0])
         expected = [self.acceptance.expected_tokens(t) for t in trees]
         best, best_rate = 0, self.plain_rate(batch)
         top = min(self.max_budget, max(len(t) - 1 for t in trees))
@@ -85,5 +93,7 @@ class LoadBudget:
             self.draft_rate[b] = 0.9 * best_rate
         return best
 
-    def observe(self, tree: DraftTree, path: list[int]) -> None:
-        self.acceptance.observe(tree, path)
+    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None) -> None:
+        """A shared request's verified tree and accepted path; ``other_ms`` (a lone request's round
+        outside draft and verify) feeds the single-stream policy's overhead estimate."""
+        self.single.observe(tree, path, other_ms)
