@@ -200,3 +200,6 @@ def test_batched_llamacpp_server_equals_solo(tmp_path):
     sizes = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
              if line.startswith("jetflow_batch_size_")}
     assert sizes['jetflow_batch_size_bucket{le="1"}'] < sizes["jetflow_batch_size_count"]  # steps with >1 request
+    cached = next(float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("jetflow_prompt_tokens_cached_total"))
+    assert cached >= 20 * (len(asks) - 1)  # every prompt after the first reused the system block

@@ -173,7 +173,8 @@ class BatchDecoder:
         t_verified = t0 + verify_s
         self.forwards += 1
         sizes = [len(t) for t in trees.values()]
-        self.last_step = {"batch": len(sizes), "tokens": len(sizes) * max(sizes), "nodes": sum(sizes) - len(sizes)}
+        tokens = sum(sizes) if self.batch.chains_only else len(sizes) * max(sizes)  # torch pads trees to the largest
+        self.last_step = {"batch": len(sizes), "tokens": tokens, "nodes": sum(sizes) - len(sizes)}
         paths, bonuses = {}, {}
         for r in self.active:
             tree, out = trees[r.id], outs[r.id]

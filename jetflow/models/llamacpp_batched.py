@@ -109,8 +109,12 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                                           f"{self.max_context} tokens of context")
             if (p < 0).any() or (p >= self.target.vocab_size).any():
                 raise InvalidRequestError(f"token ids must be in [0, {self.target.vocab_size})")
-        first = len(self.seqs)
         shared = [self._shared_prefix(p) for p in prompts]
+        if len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
+                                                         for p in prompts[1:]):
+            # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
+            return self.join_many(prompts[:1]) + self.join_many(prompts[1:])
+        first = len(self.seqs)
         fed = list(shared)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
         hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -167,11 +171,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
     def _shared_prefix(self, prompt: np.ndarray) -> int:
         """Leading tokens ``prompt`` can take from the cache stream (0 when too few to bother); at
         least one token is left to prefill, whose logits the caller needs."""
-        n = min(len(self._cached), prompt.size - 1)
-        if n < MIN_SHARED:
-            return 0
-        same = np.flatnonzero(np.asarray(self._cached[:n], dtype=np.int32) != prompt[:n])
-        m = int(same[0]) if same.size else n
+        m = _common_prefix(np.asarray(self._cached, dtype=np.int32), prompt[:-1])
         return m if m >= MIN_SHARED else 0
 
     def leave(self, seq_id: int) -> None:
@@ -257,3 +257,9 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             s.length += len(nodes)
             self._lib.llama_memory_seq_rm(self._mem, s.slot, s.length, -1)
         self._pending = None
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

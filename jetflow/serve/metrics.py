@@ -36,6 +36,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests = defaultdict(int)  # (endpoint, status) -> count
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
         self.completion_tokens = 0
         self.cancelled = 0
         self.tau = Histogram(TAU_BUCKETS)
@@ -64,6 +65,11 @@ class Metrics:
             self.tokens_per_forward.observe(tokens)
             self.nodes_per_request.observe(nodes / max(1, batch))
 
+    def cached_prompt(self, tokens: int) -> None:
+        """Prompt tokens taken from the prompt prefix cache instead of being prefilled."""
+        with self._lock:
+            self.prompt_tokens_cached += tokens
+
     def cancel(self) -> None:
         with self._lock:
             self.cancelled += 1
@@ -76,6 +82,9 @@ class Metrics:
                       for (e, s), n in sorted(self.requests.items())]
             lines += ["# HELP jetflow_prompt_tokens_total Prompt tokens processed.",
                       "# TYPE jetflow_prompt_tokens_total counter", f"jetflow_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP jetflow_prompt_tokens_cached_total Prompt tokens copied from the prompt prefix cache.",
+                      "# TYPE jetflow_prompt_tokens_cached_total counter",
+                      f"jetflow_prompt_tokens_cached_total {self.prompt_tokens_cached}",
                       "# HELP jetflow_generated_tokens_total Tokens generated.",
                       "# TYPE jetflow_generated_tokens_total counter",
                       f"jetflow_generated_tokens_total {self.completion_tokens}",
