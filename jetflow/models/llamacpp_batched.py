@@ -113,7 +113,12 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         if len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
                                                          for p in prompts[1:]):
             # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
-            return self.join_many(prompts[:1]) + self.join_many(prompts[1:])
+            head = self.join_many(prompts[:1])
+            try:
+                return head + self.join_many(prompts[1:])
+            except Exception:
+                self.leave(head[0][0])  # all or nothing
+                raise
         first = len(self.seqs)
         fed = list(shared)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
