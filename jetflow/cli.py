@@ -159,7 +159,7 @@ def cmd_train(args) -> int:
                          grad_accum=args.grad_accum, warmup_steps=args.warmup, seed=args.seed,
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
-                         head=args.head, ttt_steps=args.ttt_steps, dense_depth1=args.dense_depth1,
+                         head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
                          embed_norm=args.embed_norm)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
@@ -170,6 +170,14 @@ def cmd_train(args) -> int:
     if is_main_process():
         print(json.dumps(result))
     return 0
+
+
+def _dense_depth1(args) -> float:
+    """--dense-depth1: on by default (weight 1) for causal block heads, which it helps
+    (docs/results.md, "Closing the depth-1 gap"); off for the heads it does not apply to."""
+    if args.dense_depth1 is not None:
+        return args.dense_depth1
+    return 1.0 if args.head == "block" and args.attention == "causal" else 0.0
 
 
 def _fractions(text: str | None) -> list[float]:
@@ -419,9 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feed-last-feature", action="store_true",
                    help="add the anchor embedding and the target feature before it to every slot's input")
     t.add_argument("--depth-embedding", action="store_true", help="learned per-depth embedding of the block slots")
-    t.add_argument("--dense-depth1", type=float, default=0.0, metavar="W",
+    t.add_argument("--dense-depth1", type=float, default=None, metavar="W",
                    help="causal block heads: add W x the mean depth-1 loss over 2-slot blocks [anchor, MASK] at every "
-                        "answer position (0 = off)")
+                        "answer position (default 1 for causal block heads, else 0; 0 = off, the objective "
+                        "before it became the default)")
     t.add_argument("--embed-norm", action="store_true",
                    help="block heads: RMS-normalise the slots' token embeddings before the fused feature is added")
     t.add_argument("--init-from", default=None,

@@ -189,3 +189,16 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert "does not cover" in capsys.readouterr().err
     assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err
     assert main(offline[:-4] + ["--budgets", "0"]) == 2 and "--budgets" in capsys.readouterr().err
+    # Per-depth agreement at every answer anchor, the same held-out sequences, online and cached.
+    agree = ["eval-agreement", "--target", str(tiny_dir), "--drafter", str(tmp_path / "run" / "drafter"),
+             "--data", str(tmp_path / "data"), "--sequences", "4:6", "--max-depth", "3",
+             "--out", str(tmp_path / "agree.json")]
+    assert main(agree) == 0
+    online = json.loads((tmp_path / "agree.json").read_text())["drafters"]
+    assert main(agree + ["--teacher-cache", str(tmp_path / "cache2")]) == 0
+    cached = json.loads((tmp_path / "agree.json").read_text())["drafters"]
+    for row in (online, cached):
+        (stats,) = row.values()
+        assert stats["kind"] == "block" and len(stats["agreement"]) == 3 and stats["counts"][0] > stats["counts"][2]
+    assert [r["counts"] for r in online.values()] == [r["counts"] for r in cached.values()]
+    assert main(agree[:-4] + ["--max-depth", "99"]) == 2 and "beyond" in capsys.readouterr().err

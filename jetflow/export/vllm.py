@@ -38,6 +38,8 @@ def unsupported(config: DraftHeadConfig) -> list[str]:
                        "DFlash slots only see their own token embedding")
     if config.depth_embedding:
         reasons.append("it has a learned depth embedding (--depth-embedding), which DFlash lacks")
+    if config.embed_norm:
+        reasons.append("it RMS-normalises the slots' token embeddings (--embed-norm), which DFlash does not")
     return reasons
 
 

@@ -57,6 +57,10 @@ class DraftHeadConfig:
     # A learned embedding of each slot's depth added to its input: MASK slots are otherwise identical
     # and can tell "next token" from "8 tokens ahead" only through rotary attention patterns.
     depth_embedding: bool = False
+    # RMS-normalise the token embeddings of the block slots (learned scale) before they are summed
+    # with the fused target feature: SmolLM2's embeddings have RMS ~0.13 against ~1 for the fused
+    # (RMS-normed) feature, so in the sum the anchor token is a small part of the slot's input.
+    embed_norm: bool = False
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
     # "block": one forward drafts block_size - 1 depths. "eagle3": the autoregressive baseline
     # (jetflow/models/eagle_head.py); there block_size is the deepest draft tree level + 1.
@@ -82,7 +86,7 @@ class DraftHeadConfig:
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
                    mask_token_id: int | None = None, draft_vocab_size: int | None = None,
                    feed_last_feature: bool = False, depth_embedding: bool = False,
-                   kind: str = "block") -> "DraftHeadConfig":
+                   kind: str = "block", embed_norm: bool = False) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         shape = target.shape()
         return cls(
@@ -104,6 +108,7 @@ class DraftHeadConfig:
             draft_vocab_size=draft_vocab_size,
             feed_last_feature=feed_last_feature,
             depth_embedding=depth_embedding,
+            embed_norm=embed_norm,
             target=target.identity(),
             kind=kind,
         )
@@ -162,6 +167,7 @@ class DraftHead(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         self.depth_embed = nn.Embedding(c.block_size, c.hidden_size) if c.depth_embedding else None
+        self.slot_embed_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.embed_norm else None
         # Per-dimension scale of the tapped target features (their RMS over training data). Targets
         # carry massive activations: in SmolLM2 a few dimensions hold a large, nearly constant value
         # (|mean| ~450 in layer 27 against a typical spread of ~15), so the raw concatenation is
@@ -221,24 +227,30 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, fused.dtype)
         return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds, positions, context_kv, mask, last_feature=None) -> torch.Tensor:
+    def forward(self, block_embeds, positions, context_kv, mask, last_feature=None,
+                block_size: int | None = None) -> torch.Tensor:
         """Block hidden states after the final norm, [..., Q, H].
 
         block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
         context_kv from :meth:`context_kv`, mask boolean [..., Q, C+Q] over [context, block];
         last_feature ([..., Q, H] or [H]): the fused context feature just before each slot's anchor,
-        used when ``config.feed_last_feature``."""
+        used when ``config.feed_last_feature``; ``block_size``: slots per block in ``block_embeds`` when
+        they are not ``config.block_size`` (training's 2-slot depth-1 blocks); default: whole blocks, or
+        one block of Q < block_size slots."""
         x = block_embeds.to(self.fc.weight.dtype)
+        if self.slot_embed_norm is not None:
+            x = self.slot_embed_norm(x)
+        b = block_size or min(self.config.block_size, x.shape[-2])
         if self.config.feed_last_feature:
             if last_feature is None:
                 raise ValueError("this head reads the last context feature: pass last_feature")
             # Every slot starts from (anchor token, target state before it), EAGLE's input pair.
             # Whole blocks (training), or one block cut after its first Q slots (a causal head at
             # inference drafts only the depths a tree of the round's budget can reach).
-            blocks = x.unflatten(-2, (-1, min(self.config.block_size, x.shape[-2])))
+            blocks = x.unflatten(-2, (-1, b))
             x = (blocks + blocks[..., :1, :]).flatten(-3, -2) + last_feature.to(x.dtype)
         if self.depth_embed is not None:  # slots are laid out block after block, depth 0..B-1 in each
-            depth = torch.arange(x.shape[-2], device=x.device) % self.config.block_size
+            depth = torch.arange(x.shape[-2], device=x.device) % b
             x = x + self.depth_embed(depth).to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, context_kv):

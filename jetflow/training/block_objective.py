@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from jetflow.models.draft_head import DraftHead
-from jetflow.training.blocks import BlockBatch, make_blocks, sample_anchors, training_mask
-from jetflow.training.losses import block_loss
+from jetflow.training.blocks import BlockBatch, answer_anchors, make_blocks, sample_anchors, training_mask
+from jetflow.training.losses import block_loss, slot_losses
 
 
 def block_context(head: DraftHead, features: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -25,14 +25,33 @@ def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: Block
     """Hidden states [K*B, H] of all blocks of one sequence in one head forward: the training-time
     equivalent of the decoder drafting from each anchor (tested to be exactly that). ``context``:
     :func:`block_context` of ``features``, when several calls share it."""
-    device = features.device
+    device, size = features.device, blocks.block_size  # size: the blocks' own (2 for depth-1 blocks)
     fused, ctx = context or block_context(head, features)
-    mask = training_mask(blocks.anchors, features.shape[0], head.config.block_size,
-                         head.config.attention == "causal").to(device)
+    mask = training_mask(blocks.anchors, features.shape[0], size, head.config.attention == "causal").to(device)
     with torch.no_grad():
         embeds = embed(blocks.block_ids.to(device))
-    last = fused[(blocks.anchors - 1).repeat_interleave(head.config.block_size).to(device)]  # before each anchor
-    return head(embeds, blocks.positions.to(device), ctx, mask, last)
+    last = fused[(blocks.anchors - 1).repeat_interleave(size).to(device)]  # before each anchor
+    return head(embeds, blocks.positions.to(device), ctx, mask, last, block_size=size)
+
+
+def dense_depth1_loss(trainer, index: int, seq, tokens: torch.Tensor, features: torch.Tensor, context) -> torch.Tensor:
+    """Mean depth-1 loss over every answer anchor of the sequence: blocks of 2 slots [anchor, MASK]
+    (the first two slots of a full block; a causal head's slot 1 sees only them and the context, so
+    it equals slot 1 of a full block), one extra head forward sharing the context keys/values."""
+    c, head, device = trainer.config, trainer.head, trainer.target.device
+    anchors = answer_anchors(seq.prompt_len, len(tokens))
+    blocks = make_blocks(tokens, anchors, 2, head.config.mask_token_id)
+    sel = blocks.loss_mask.nonzero().flatten()  # every slot 1 (anchors end at len-2)
+    labels = blocks.labels if trainer.label_index is None else trainer.label_index[blocks.labels]
+    _, teacher = trainer.teacher.fetch(index, seq, blocks.teacher_index[sel])
+    hidden = blocks_forward(head, trainer.embed, features, blocks, context)
+    logits = hidden[sel.to(device)].to(trainer.lm_weight.dtype) @ trainer.lm_weight.T
+    labels = labels[sel].to(device)
+    usable = labels >= 0
+    if c.loss == "sft" and not usable.any():
+        return logits.sum() * 0.0
+    losses = slot_losses(logits, teacher, labels.clamp(min=0), c.loss, c.kl_temperature)
+    return losses[usable].mean() if c.loss == "sft" else losses.mean()
 
 
 def block_sequence_loss(trainer, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -47,10 +66,13 @@ def block_sequence_loss(trainer, index: int, generator: torch.Generator) -> tupl
     usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
     sel = usable.nonzero().flatten()
     features, teacher = trainer.teacher.fetch(index, seq, blocks.teacher_index[sel])
-    hidden = blocks_forward(head, trainer.embed, features, blocks)
+    context = block_context(head, features)
+    hidden = blocks_forward(head, trainer.embed, features, blocks, context)
     logits = hidden[sel.to(device)].to(trainer.lm_weight.dtype) @ trainer.lm_weight.T
     ones = torch.ones(len(sel), dtype=torch.bool, device=device)
     loss = block_loss(logits, teacher, labels[sel].to(device), ones, blocks.depth[sel].to(device),
                       c.loss, c.kl_temperature, c.gamma)
+    if c.dense_depth1 > 0 and head.training:  # held-out evaluation keeps the plain objective, comparable across arms
+        loss = loss + c.dense_depth1 * dense_depth1_loss(trainer, index, seq, tokens, features, context)
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float()
     return loss, {"depth": blocks.depth[sel], "agree": agree.detach().cpu()}

@@ -24,6 +24,11 @@ class BlockBatch:
     loss_mask: torch.Tensor  # [K*B] bool: slot j >= 1 and a+j inside the answer
     depth: torch.Tensor  # [K*B] slot index j (0 = anchor)
 
+    @property
+    def block_size(self) -> int:
+        """Slots per block, B."""
+        return self.positions.shape[0] // max(1, self.anchors.shape[0])
+
 
 def sample_anchors(prompt_len: int, seq_len: int, count: int, generator: torch.Generator) -> torch.Tensor:
     """Up to ``count`` distinct anchor positions in [prompt_len, seq_len-2], sorted (every anchor has
@@ -47,6 +52,11 @@ def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, ma
     inside = pos < seq_len
     labels = torch.where(inside, tokens[pos.clamp(max=seq_len - 1)], torch.zeros_like(pos))
     return BlockBatch(anchors, block_ids, pos, (pos - 1).clamp(min=0), labels, inside & (depth > 0), depth)
+
+
+def answer_anchors(prompt_len: int, seq_len: int) -> torch.Tensor:
+    """Every anchor with a token after it: positions prompt_len..seq_len-2."""
+    return torch.arange(prompt_len, max(prompt_len, seq_len - 1))
 
 
 def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool) -> torch.Tensor:

@@ -62,6 +62,11 @@ class TrainConfig:
     depth_embedding: bool = False
     head: str = "block"  # "block" (JetFlow / DFlash) or "eagle3" (the autoregressive baseline)
     ttt_steps: int = 0  # eagle3: unroll steps of training-time test (0: the head's deepest level)
+    # block heads: weight of an extra loss term, the mean depth-1 loss over blocks [anchor, MASK] at
+    # every answer position (0: off). The usual anchors_per_seq random anchors supervise depth 1 at
+    # only K positions per sequence; an EAGLE head's first unroll step supervises all of them.
+    dense_depth1: float = 0.0
+    embed_norm: bool = False  # block heads: RMS-normalise the slots' token embeddings (DraftHeadConfig.embed_norm)
 
     def __post_init__(self):
         if self.head not in HEAD_KINDS:
@@ -77,6 +82,11 @@ class TrainConfig:
                 raise JetFlowError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise JetFlowError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.dense_depth1 < 0:
+            raise JetFlowError(f"dense_depth1 must be >= 0 (0 = off), got {self.dense_depth1}")
+        if self.dense_depth1 > 0 and (self.head != "block" or self.attention != "causal"):
+            raise JetFlowError("dense depth-1 blocks are for causal block heads (a 2-slot block equals slot 1 of a "
+                               "full block only under causal attention; an EAGLE head's first step is dense already)")
         if self.lr <= 0 or self.kl_temperature <= 0 or self.gamma < 0:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
@@ -128,7 +138,7 @@ class Trainer:
             head = new_head(DraftHeadConfig.for_target(
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
-                depth_embedding=config.depth_embedding, kind=config.head))
+                depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
                 required = target.stop_token_ids()
