@@ -9,20 +9,15 @@ from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.eval.depth_agreement import DepthAgreement, depth_agreement, eagle_depth_predictions
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
-from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
 from jetflow.training.blocks import answer_anchors, make_blocks
 from jetflow.training.teacher import OnlineTeacher
-from tiny import tiny_model
+from tiny import peaked_tiny_target
 
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        model.model.norm.weight.mul_(4)
-    return TargetModel(model, tokenizer, name="tiny", tapped_layers=[1, 2])
+    return peaked_tiny_target(tokenizer)
 
 
 def peaked(head, seed=0):

@@ -9,18 +9,13 @@ from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig, DrafterMismatchError
 from jetflow.models.eagle_head import EagleHead
-from jetflow.models.target import TargetModel
 from jetflow.training.eagle_objective import ttt_states
-from tiny import tiny_model
+from tiny import peaked_tiny_target
 
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        model.model.norm.weight.mul_(4)
-    return TargetModel(model, tokenizer, name="tiny", tapped_layers=[1, 2])
+    return peaked_tiny_target(tokenizer)
 
 
 def make_head(target, layers=2, depth=5, seed=0):

@@ -92,3 +92,17 @@ class OracleDrafter:
             rows.append((logits * self.sharpen).log_softmax(-1))
             seq.append(int(rows[-1].argmax()))
         return torch.stack(rows)
+
+
+def peaked_tiny_target(tokenizer, tapped_layers=(1, 2)):
+    """A tiny Llama target with no EOS and a sharpened final norm (confident next-token
+    distributions, so drafts and agreement are not all near-ties)."""
+    import torch
+
+    from jetflow.models.target import TargetModel
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4)
+    return TargetModel(model, tokenizer, name="tiny", tapped_layers=list(tapped_layers))

@@ -164,9 +164,7 @@ def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teach
                        max_depth: int = 4, log=print) -> dict:
     """Per-depth agreement of each drafter checkpoint (block or EAGLE) on a range of regenerated
     sequences; features and the target's top-1 from ``teacher_cache`` or the target run online."""
-    from jetflow.eval.offline_acceptance import parse_range
-    from jetflow.training.teacher import CachedTeacher, OnlineTeacher
-    from jetflow.training.teacher_cache import TeacherCache
+    from jetflow.eval.offline_acceptance import eval_teacher, parse_range
     from jetflow.training.trainer import load_sequences
 
     sequences = load_sequences(data_dir, target)
@@ -175,14 +173,7 @@ def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teach
     for path in drafters:
         head = load_drafter(path, target=target, device=target.device, dtype=torch.float32)
         target.set_tapped_layers(head.config.target_layer_ids)
-        if teacher_cache is None:
-            teacher = OnlineTeacher(target, None)
-        else:  # whole parts up to the range's end, as evaluate_drafters hands them
-            m = TeacherCache.read_manifest(teacher_cache)
-            per, cached = m["sequences_per_part"], m.get("num_sequences", len(sequences))
-            covered = sequences[:max(end, min(len(sequences), cached, -(-end // per) * per))]
-            teacher = CachedTeacher(TeacherCache(teacher_cache, covered, target, head.config.target_layer_ids),
-                                    None, target.vocab_size, target.device)
+        teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         summary = depth_agreement(head, target, sequences, teacher, list(range(start, end)), max_depth).summary()
         results[str(path)] = {"kind": head.config.kind, **summary, "seconds": round(time.perf_counter() - t0, 1)}

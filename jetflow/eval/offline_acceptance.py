@@ -199,14 +199,27 @@ def parse_range(text: str | None, total: int) -> tuple[int, int]:
     return start, end
 
 
+def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teacher_cache, layer_ids):
+    """The teacher an offline evaluation of sequences [.., end) reads: the target run online, or
+    ``teacher_cache`` handed whole parts up to ``end`` (the cache checks its parts against the data)."""
+    from jetflow.training.teacher import CachedTeacher, OnlineTeacher
+    from jetflow.training.teacher_cache import TeacherCache
+
+    if teacher_cache is None:
+        return OnlineTeacher(target, None)
+    m = TeacherCache.read_manifest(teacher_cache)
+    per, cached = m["sequences_per_part"], m.get("num_sequences", len(sequences))
+    covered = sequences[:max(end, min(len(sequences), cached, -(-end // per) * per))]
+    return CachedTeacher(TeacherCache(teacher_cache, covered, target, layer_ids), None, target.vocab_size,
+                         target.device)
+
+
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
                       seed: int = 0, log=print) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
-    from jetflow.training.teacher import CachedTeacher, OnlineTeacher
-    from jetflow.training.teacher_cache import TeacherCache
     from jetflow.training.trainer import load_sequences
 
     sequences = load_sequences(data_dir, target)
@@ -216,14 +229,7 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     results = {}
     for path, head in heads.items():
         target.set_tapped_layers(head.config.target_layer_ids)
-        if teacher_cache is None:
-            teacher = OnlineTeacher(target, None)
-        else:  # the cache checks its parts against the data, so hand it whole parts up to the range's end
-            m = TeacherCache.read_manifest(teacher_cache)
-            per, cached = m["sequences_per_part"], m.get("num_sequences", len(sequences))
-            covered = sequences[:max(end, min(len(sequences), cached, -(-end // per) * per))]
-            teacher = CachedTeacher(TeacherCache(teacher_cache, covered, target, head.config.target_layer_ids),
-                                    None, target.vocab_size, target.device)
+        teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
                                     width, anchors_per_seq, seed)
