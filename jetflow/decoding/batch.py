@@ -79,6 +79,7 @@ class BatchDecoder:
         self.batch = batched_target(target, max_batch)
         self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
         self.load_budget = load_budget
+        self._template = None  # the drafter requests' drafters are forked from
         self.active: list[BatchRequest] = []
         self.forwards = 0  # batched verify forwards so far
         self.last_step = {"batch": 0, "tokens": 0, "nodes": 0}  # what the last step verified
@@ -103,8 +104,7 @@ class BatchDecoder:
             request.id = row_id
             try:
                 if self.head is not None and request.budget != 0:
-                    request._drafter = make_drafter(self.head, _RowView(self.batch, request.id), int8=self.int8,
-                                                    lookup=self.lookup)
+                    request._drafter = self._new_drafter(_RowView(self.batch, request.id))
                     request._drafter.reset()
                     request._drafter.extend(out.hidden)
                 request.root = next_token(out.logits[-1], request.params, request._generator)
@@ -121,6 +121,15 @@ class BatchDecoder:
             if request.finished:
                 self._finish(request)
         return requests
+
+    def _new_drafter(self, view: _RowView):
+        """A request's drafter: forked from one prepared per decoder (int8 weights are quantized
+        once, not per request), or made afresh for drafters that cannot fork."""
+        if self._template is None:
+            self._template = make_drafter(self.head, self.target, int8=self.int8, lookup=self.lookup)
+        if hasattr(self._template, "fork"):
+            return self._template.fork(view)
+        return make_drafter(self.head, view, int8=self.int8, lookup=self.lookup)
 
     def cancel(self, request: BatchRequest) -> None:
         """Drop a request between two steps (client gone)."""

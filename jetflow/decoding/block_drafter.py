@@ -3,6 +3,8 @@ committed tokens and proposes one draft tree per round from a single head forwar
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from jetflow.models.backend import TargetBackend
@@ -41,6 +43,13 @@ class BlockDrafter:
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size
         self.reset()
+
+    def fork(self, target: TargetBackend) -> "BlockDrafter":
+        """A drafter for another sequence of the same target (a request of a batch): the same
+        read-only weights (float and int8, prepared once), an empty context."""
+        twin = copy.copy(self)
+        twin.reset()
+        return twin
 
     def reset(self) -> None:
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -82,6 +82,10 @@ class MixedDrafter:
         self.calibration = LookupCalibration(max_ngram, max_draft)
         self._last: tuple[int, list[int]] | None = None  # (match length, chain) of the last proposal
 
+    def fork(self, target) -> "MixedDrafter":
+        """The same for another sequence: the head drafter forked, lookup counts of its own."""
+        return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft)
+
     def reset(self) -> None:
         self.primary.reset()
         self._last = None
