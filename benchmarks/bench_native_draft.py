@@ -11,25 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from jetflow.decoding.costs import median_ms
 from jetflow.export.gguf import export_gguf
 from jetflow.models.llamacpp_draft import LlamaCppDFlashDraft
 from jetflow.models.loading import load_target
-
-
-def median_ms(fn, reps: int = 30) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -45,13 +35,13 @@ def main() -> None:
             draft = LlamaCppDFlashDraft(gguf, target)
             features = torch.randn(300, 5 * target.hidden_size)
             draft.inject(features, 0)
-            row = {f"block_{n}_ms": median_ms(lambda n=n: draft.block_logits(5, 300, 0, n)) for n in (4, 8, 16)}
+            row = {f"block_{n}_ms": median_ms(lambda n=n: draft.block_logits(5, 300, 0, n), 30) for n in (4, 8, 16)}
 
             def inject3():
                 draft.inject(features[:3], 300)
                 draft.truncate(300)
 
-            row["inject_3_ms"] = median_ms(inject3)
+            row["inject_3_ms"] = median_ms(inject3, 30)
             out[dtype] = row
             draft.close()
     print(json.dumps(out, indent=2))

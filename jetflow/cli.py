@@ -24,6 +24,17 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp threads (default: all cores)")
 
 
+def _add_offline_eval_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
+    """Target, drafters and held-out data of the offline evaluations (eval-offline, eval-agreement)."""
+    _add_target_args(p)
+    p.add_argument("--drafter", required=True, action="append", help=drafter_help)
+    p.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output (greedy answers)")
+    p.add_argument("--teacher-cache", type=Path, default=None,
+                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
+    p.add_argument("--sequences", default=None, help="START:END range of sequences in shard order, e.g. "
+                                                     "sequences no head under test was trained on (default: all)")
+
+
 def _device_and_dtype(args):
     import torch
 
@@ -455,13 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache_teacher)
     o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget on held-out regenerated "
                                             "sequences, decoding replayed without the target (for ablations)")
-    _add_target_args(o)
-    o.add_argument("--drafter", required=True, action="append", help="block-head checkpoint (repeat to compare)")
-    o.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output (greedy answers)")
-    o.add_argument("--teacher-cache", type=Path, default=None,
-                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
-    o.add_argument("--sequences", default=None, help="START:END range of sequences in shard order, e.g. "
-                                                     "sequences no head under test was trained on (default: all)")
+    _add_offline_eval_args(o, "block-head checkpoint (repeat to compare)")
     o.add_argument("--budgets", default="16,32,64,128,256")
     o.add_argument("--width", type=_positive_int, default=7)
     o.add_argument("--anchors-per-seq", type=_non_negative_int, default=0,
@@ -472,12 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_eval_offline)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
                                               "every answer position of held-out regenerated sequences")
-    _add_target_args(a)
-    a.add_argument("--drafter", required=True, action="append", help="drafter checkpoint, block or eagle3 (repeat)")
-    a.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output")
-    a.add_argument("--teacher-cache", type=Path, default=None,
-                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
-    a.add_argument("--sequences", default=None, help="START:END range of sequences in shard order (default: all)")
+    _add_offline_eval_args(a, "drafter checkpoint, block or eagle3 (repeat)")
     a.add_argument("--max-depth", type=_positive_int, default=4)
     a.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     a.set_defaults(func=cmd_eval_agreement)
