@@ -292,7 +292,7 @@ def cmd_serve(args) -> int:
     serve(jf, host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-          max_batch=args.max_batch)
+          max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens)
     return 0
 
 
@@ -523,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together, continuously batched: each step verifies all their drafts in "
                         "one forward (1 = one request at a time); on llama.cpp each request holds a KV stream of the "
                         "model's context length")
+    v.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
+                   help="prompt tokens prefilled between two decoding steps of a batch (at least one request): "
+                        "requests arriving together are admitted over several steps, so running ones keep "
+                        "streaming and the first of the newcomers start sooner")
     v.add_argument("--max-queue", type=_positive_int, default=16,
                    help="requests allowed to wait for the generation worker; more get 429 + Retry-After")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (or set "

@@ -1,8 +1,11 @@
 """The generation worker: one thread owns the model, so the event loop never blocks on a forward pass
 and memory stays bounded by the queue length. With ``max_batch`` > 1 it runs up to that many jobs
 together, continuously batched (jetflow/decoding/batch.py): jobs join and leave between two decoding
-steps (the jobs admitted together are prefilled together), and each step verifies every job's draft
-in one forward. With ``max_batch`` = 1 it runs one job at a time.
+steps, and each step verifies every job's draft in one forward. Between two steps at most
+``max_prefill_tokens`` prompt tokens are prefilled (always at least one job): a crowd of jobs
+arriving together is admitted over several steps, so the first of them stream their first tokens
+while the rest wait, running jobs keep decoding, and jobs finish (and closed-loop clients come back)
+spread out instead of in waves. With ``max_batch`` = 1 it runs one job at a time.
 
 A job's events (text deltas, then the result or an error) are handed to the event loop with
 ``call_soon_threadsafe``. Cancelling a job (client gone, shutdown) stops it between two decoding
@@ -16,6 +19,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from jetflow.decoding.result import GenerationResult
@@ -47,15 +51,22 @@ class Job:
 
 
 class Engine:
-    def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1):
+    def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1,
+                 max_prefill_tokens: int = 256):
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.jetflow = jetflow
         self.metrics = metrics
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
         self._running: set[Job] = set()
         self.job_seconds = 1.0  # running mean of a job's duration (for Retry-After)
+        if self.max_batch > 1:  # the batch's context and drafter are made and warmed before the first client
+            self._decoder = self._new_decoder()
+            self._warm_up(self._decoder)
         work = self._work_batched if self.max_batch > 1 else self._work
         self._thread = threading.Thread(target=work, name="jetflow-engine", daemon=True)
         self._thread.start()
@@ -109,22 +120,37 @@ class Engine:
                 self._running.discard(job)
                 self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
 
-    def _work_batched(self) -> None:
-        from jetflow.decoding.api import prepare_request
-        from jetflow.decoding.batch import BatchDecoder, BatchRequest
+    def _new_decoder(self):
+        from jetflow.decoding.batch import BatchDecoder
         from jetflow.decoding.load_budget import LoadBudget
 
         jf = self.jetflow
-        head = jf.drafter.head if jf.drafter is not None else None
-        auto = jf.budget == "auto" and head is not None
-        load_budget = LoadBudget(jf.adaptive_budget().costs) if auto else None
+        if not hasattr(self, "_load_budget"):  # one budget for the server's lifetime: what it learned stays
+            auto = jf.budget == "auto" and jf.drafter is not None
+            self._load_budget = LoadBudget(jf.adaptive_budget().costs) if auto else None
+        return BatchDecoder(jf.target, jf.drafter.head if jf.drafter is not None else None, lookup=jf.lookup,
+                            int8=jf.int8_draft, load_budget=self._load_budget, max_batch=self.max_batch)
 
-        def new_decoder() -> BatchDecoder:
-            return BatchDecoder(jf.target, head, lookup=jf.lookup, int8=jf.int8_draft, load_budget=load_budget,
-                                max_batch=self.max_batch)
+    def _batch_request(self, prompt, **request):
+        from jetflow.decoding.api import prepare_request
+        from jetflow.decoding.batch import BatchRequest
 
-        decoder = new_decoder()
-        jobs: dict[int, tuple[BatchRequest, Job, float]] = {}  # id(request) -> (request, job, start time)
+        jf = self.jetflow
+        ids, params, output = prepare_request(jf.target, prompt, **request)
+        budget = (None if jf.budget == "auto" else jf.budget) if jf.drafter is not None else 0
+        return BatchRequest(ids, params, output, budget=budget, width=jf.width)
+
+    def _warm_up(self, decoder) -> None:
+        """A short request through the batch path: llama.cpp's first decodes in a new context and the
+        drafter's preparation are paid here, not by the first client."""
+        decoder.add(self._batch_request("warm-up", max_new_tokens=4))
+        while decoder.active:
+            decoder.step()
+
+    def _work_batched(self) -> None:
+        decoder = self._decoder
+        jobs: dict[int, tuple[object, Job, float]] = {}  # id(request) -> (request, job, start time)
+        waiting: deque = deque()  # (request, job): taken from the queue, not yet prefilled
         stopping = False
 
         def settle(key: int) -> None:  # hand out new text; a finished request leaves
@@ -137,7 +163,7 @@ class Engine:
                 self._running.discard(job)
                 self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
 
-        def admit(batch: list[tuple[BatchRequest, Job]]) -> None:
+        def admit(batch: list) -> None:
             cached = getattr(decoder.batch, "prefix_tokens_reused", 0)
             try:
                 decoder.add_many([req for req, _ in batch])
@@ -149,17 +175,16 @@ class Engine:
                         admit([one])
                     return
                 batch[0][1]._emit("error", e)
+                self._running.discard(batch[0][1])
                 return
             for req, job in batch:
-                self._running.add(job)
                 jobs[id(req)] = (req, job, time.perf_counter())
                 settle(id(req))
 
         while True:
-            joining: list[tuple[BatchRequest, Job]] = []
-            while not stopping and len(jobs) + len(joining) < self.max_batch:  # admit jobs between two steps
+            while not stopping and len(jobs) + len(waiting) < self.max_batch:  # take jobs between two steps
                 try:
-                    job = self._queue.get(block=not jobs and not joining)
+                    job = self._queue.get(block=not jobs and not waiting)
                 except queue.Empty:
                     break
                 if job is None:
@@ -169,12 +194,21 @@ class Engine:
                     job._emit("error", EngineStopped("cancelled before it started"))
                     continue
                 try:
-                    ids, params, output = prepare_request(jf.target, job.prompt_ids, **job.request)
+                    req = self._batch_request(job.prompt_ids, **job.request)
                 except Exception as e:  # a bad request fails alone
                     job._emit("error", e)
                     continue
-                budget = (None if auto else jf.budget) if head is not None else 0
-                joining.append((BatchRequest(ids, params, output, budget=budget, width=jf.width), job))
+                self._running.add(job)
+                waiting.append((req, job))
+            joining, tokens = [], 0  # this step's prefills: up to max_prefill_tokens, at least one job
+            while waiting and (not joining or tokens + len(waiting[0][0].prompt_ids) <= self.max_prefill_tokens):
+                req, job = waiting.popleft()
+                if job.cancelled.is_set():
+                    job._emit("cancelled", None)
+                    self._running.discard(job)
+                    continue
+                joining.append((req, job))
+                tokens += len(req.prompt_ids)
             if joining:
                 admit(joining)
             for key, (req, job, _) in list(jobs.items()):
@@ -184,7 +218,7 @@ class Engine:
                     del jobs[key]
                     self._running.discard(job)
             if not jobs:
-                if stopping:
+                if stopping and not waiting:
                     return
                 continue
             try:
@@ -194,7 +228,7 @@ class Engine:
                     job._emit("error", e)
                     self._running.discard(job)
                 jobs.clear()
-                decoder = new_decoder()  # the failed step may have left the batch half-committed
+                decoder = self._new_decoder()  # the failed step may have left the batch half-committed
                 continue
             if self.metrics is not None:
                 self.metrics.step(**decoder.last_step)
