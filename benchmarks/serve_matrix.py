@@ -5,8 +5,9 @@ benchmarks/load_server.py windows against it, stop it (SIGTERM), and collect the
         --clients 1,8,32 --seconds 120 --out docs/results/server_matrix.json
 
 A config is BACKEND-MODE: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
-(--max-batch 1, one request at a time); ``CONFIG:CLIENTS`` restricts its client counts, e.g.
-``torch-serial:1``. Every server uses the shipped drafter and --budget auto.
+(--max-batch 1, one request at a time); ``CONFIG:CLIENTS`` restricts its client counts, joined
+with '+', e.g. ``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
+and --budget auto. Resumable: windows already in --out are not run again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def run_config(name: str, clients: str, args) -> dict:
         raise SystemExit(f"config {name!r}: expected BACKEND-MODE with BACKEND torch|llamacpp and MODE batch|serial")
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
-           "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64"]
+           "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64", *args.server_args.split()]
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -73,17 +74,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--server-args", default="", help="more `jetflow serve` options for every server, e.g. "
+                                                      "'--max-prefill-tokens 100000'")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else {}  # resumable: finished configs are kept
+    results = json.loads(out.read_text()) if out.exists() else {}  # resumable: finished windows are kept
     for spec in args.configs.split(","):
         name, _, clients = spec.partition(":")
-        if name in results:
-            print(f"== {name}: already in {out}, skipped", flush=True)
+        wanted = [int(c) for c in (clients.replace("+", ",") or args.clients).split(",")]
+        done = {w["clients"] for w in results.get(name, {}).get("windows", [])}
+        todo = [c for c in wanted if c not in done]
+        if not todo:
+            print(f"== {name}: {wanted} clients already in {out}, skipped", flush=True)
             continue
-        results[name] = run_config(name, clients or args.clients, args)
+        run = run_config(name, ",".join(map(str, todo)), args)
+        if name in results:
+            run["windows"] = sorted(results[name]["windows"] + run["windows"], key=lambda w: w["clients"])
+        results[name] = run
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=2))
