@@ -171,7 +171,7 @@ def cmd_train(args) -> int:
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
-                         embed_norm=args.embed_norm)
+                         embed_norm=args.embed_norm, reveal=args.reveal)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -247,7 +247,7 @@ def cmd_eval_agreement(args) -> int:
         raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
     target = _load_jetflow_target(args, training=True)
     report = evaluate_agreement(target, args.drafter, args.data, args.teacher_cache, args.sequences, args.max_depth,
-                                log=lambda m: print(m, file=sys.stderr))
+                                log=lambda m: print(m, file=sys.stderr), path_conditioned=args.path_conditioned)
     if args.out:
         write_json_atomic(args.out, report)
     print(json.dumps({k: {"agreement": v["agreement"], "prefix_agreement": v["prefix_agreement"]}
@@ -444,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "before it became the default)")
     t.add_argument("--embed-norm", action="store_true",
                    help="block heads: RMS-normalise the slots' token embeddings before the fused feature is added")
+    t.add_argument("--reveal", type=float, default=0.0, metavar="P",
+                   help="causal block heads: in this share of the training blocks the first m slots (m uniform in "
+                        "1..B-2) hold the true next tokens instead of MASK, training the head's second, "
+                        "path-conditioned pass (`--refine` when decoding; 0 = off)")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,
@@ -479,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "every answer position of held-out regenerated sequences")
     _add_offline_eval_args(a, "drafter checkpoint, block or eagle3 (repeat)")
     a.add_argument("--max-depth", type=_positive_int, default=4)
+    a.add_argument("--path-conditioned", action="store_true",
+                   help="block heads: depth k drafted after the true tokens of depths 1..k-1 (revealed blocks, the "
+                        "second pass's layout), as an EAGLE head's depth k is")
     a.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     a.set_defaults(func=cmd_eval_agreement)
     b = sub.add_parser("bench", help="benchmark decoding methods over evaluation sets and budgets "

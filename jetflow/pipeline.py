@@ -34,15 +34,18 @@ DEFAULT_WIDTH = 7
 class JetFlow:
     def __init__(self, target: TargetBackend, head: DraftHead | None = None, *, budget: int | str | None = None,
                  width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None,
-                 lookup: bool = True, drafter: Drafter | None = None):
+                 lookup: bool = True, drafter: Drafter | None = None, refine: bool | None = None):
         """``head``: a draft head to run; or ``drafter``: a ready :class:`Drafter` (e.g. prompt lookup).
-        ``lookup``: merge prompt-lookup candidates into the head's trees (decoding/mixed_drafter.py)."""
+        ``lookup``: merge prompt-lookup candidates into the head's trees (decoding/mixed_drafter.py).
+        ``refine``: a block head's path-conditioned second pass (decoding/refine.py); None: when the
+        head was trained for it."""
         self.target = target
         # The lean draft (int8 weights) by default where the target is llama.cpp: there a decoding step
         # is a few ms and an fp32 head forward would cost more than the step (docs/results.md).
         self.int8_draft = target.backend == "llamacpp" if int8_draft is None else int8_draft
         self.lookup = lookup and head is not None
-        self.drafter = make_drafter(head, target, int8=self.int8_draft, lookup=self.lookup) if head is not None else drafter
+        self.drafter = (make_drafter(head, target, int8=self.int8_draft, lookup=self.lookup, refine=refine)
+                        if head is not None else drafter)
         if budget is None:
             budget = DEFAULT_BUDGETS.get(target.backend, DEFAULT_BUDGET)
         self.budget, self.width = _check_tree_args(budget, width)

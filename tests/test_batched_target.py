@@ -240,3 +240,29 @@ def test_a_lone_request_gets_the_single_stream_budget():
             load.observe(tree, path, 1.0)
             single.observe(tree, path, 1.0)
     assert load.draft_nodes(8) <= 16  # a batch stays within the load budget's cap
+
+
+def test_load_budget_trusts_measured_steps_over_the_cost_curve():
+    """The cost curve says drafting pays at this batch size, but the steps measured say the opposite
+    (a batched forward dearer than the single-sequence curve): once both ways are measured, steps are
+    plain, with a drafted one now and then; when drafted steps measure faster again, drafting resumes."""
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+    from jetflow.tree.build import build_tree
+
+    ms = {n: 10.0 + 0.1 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # nearly flat: drafting looks free
+    policy = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": ms, "draft_ms": {}}), max_budget=32)
+    lp = torch.full((15, 50), -9.0)
+    lp[:, 0] = 0.0
+    tree = build_tree(lp.log_softmax(-1), 1, 32, 3)
+    assert policy.choose([tree] * 8, draft_ms=1.0) > 0 and policy.should_draft(8)  # predicted: draft
+    policy.observe_step(8, drafted=True, tokens=10, ms=100.0)  # measured: 0.1 token/ms drafted ...
+    assert policy.should_draft(8)  # (plain steps not measured yet: the prediction still rules)
+    policy.observe_step(8, drafted=False, tokens=8, ms=20.0)  # ... 0.4 token/ms plain
+    choices = [policy.should_draft(8) for _ in range(4 * policy.explore_every)]
+    assert choices.count(True) in (1, 2) and not choices[0]  # plain, exploring drafts now and then
+    for _ in range(5):
+        policy.observe_step(8, drafted=True, tokens=40, ms=50.0)  # drafted steps now measure 0.8 token/ms
+    assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == policy.explore_every - 1
+    policy.observe_step(1, drafted=True, tokens=1, ms=1.0)  # a lone request is the single-stream policy's
+    assert (1, True) not in policy.measured

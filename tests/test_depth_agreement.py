@@ -6,7 +6,8 @@ import torch
 
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockDrafter
-from jetflow.eval.depth_agreement import DepthAgreement, depth_agreement, eagle_depth_predictions
+from jetflow.eval.depth_agreement import (DepthAgreement, block_depth_predictions, depth_agreement,
+                                         eagle_depth_predictions)
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.training.block_objective import block_context, blocks_forward
@@ -96,6 +97,38 @@ def test_block_agreement_equals_per_anchor_drafting(target, attention, reduced):
     assert result.counts == counts and result.hits == hits and result.prefix_hits == prefix
     assert sum(hits) > 0 or reduced  # the comparison is not vacuous
     assert result.counts[0] == sum(len(s.token_ids) - 1 - s.prompt_len for s in seqs)
+
+
+@torch.no_grad()
+def test_path_conditioned_block_agreement_equals_drafting_after_the_true_path(target):
+    """--path-conditioned: depth k from a causal block [anchor, true tokens of depths 1..k-1, MASK]
+    run by the decoder's drafter context (the second pass's layout), per anchor and depth."""
+    head = block_head(target, "causal", None)
+    seqs, teacher = sequences_and_teacher(target)
+    result = depth_agreement(head, target, seqs, teacher, [0, 1, 2], max_depth=3, path_conditioned=True)
+
+    def draft_at(seq, a):
+        drafter = BlockDrafter(head, target)
+        drafter.extend(target.prefill(seq.token_ids).hidden[:a])
+        drafter.head_logprobs(seq.token_ids[a], a)  # projects the context
+        out = []
+        for k in range(1, 4):
+            path = seq.token_ids[a + 1:a + k][:k - 1]
+            path += [head.config.mask_token_id] * (k - 1 - len(path))  # past the sequence end: not scored
+            block = torch.tensor([seq.token_ids[a]] + path + [head.config.mask_token_id])
+            hidden = head(target.embed(block), torch.arange(a, a + k + 1), drafter.context_kv,
+                          head.block_mask(a)[: k + 1, : a + k + 1], drafter.last_feature)
+            out.append(int(drafter._output_logprobs(hidden[-1:]).argmax()))
+        return torch.tensor(out)
+
+    hits, counts, prefix = reference_counts(seqs, target, draft_at, 3)
+    assert result.counts == counts and result.hits == hits and result.prefix_hits == prefix
+    assert sum(hits) > 0
+    seq, lm = seqs[0], head.output_weight(target.lm_head_weight())
+    features, tokens = target.prefill(seq.token_ids).hidden, torch.tensor(seq.token_ids)
+    plain, given = (block_depth_predictions(head, target.embed, lm, features, tokens, seq.prompt_len, 3,
+                                            path_conditioned=pc) for pc in (False, True))
+    assert torch.equal(plain[:, 0], given[:, 0]) and not torch.equal(plain[:, 1:], given[:, 1:])  # depth 1: no path
 
 
 @torch.no_grad()

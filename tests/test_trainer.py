@@ -8,7 +8,7 @@ from jetflow.data.shards import Sequence, write_shard
 from jetflow.errors import JetFlowError
 from jetflow.models.target import TargetModel
 from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
-from tiny import tiny_model
+from tiny import lossless_tau, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +48,7 @@ def test_overfits_tiny_set_and_decodes_losslessly_with_high_tau(target, data, tm
     assert after["eval_loss"] < first / 5, (first, after)
     head = jetflow.DraftHead.from_pretrained(tmp_path / "run" / "drafter", target=target)
     jf = jetflow.JetFlow(target, head, budget=16, width=3)
-    lengths = []
-    for index in trainer.train_set:
-        seq = seqs[index]
-        prompt = seq.token_ids[: seq.prompt_len]
-        spec = jf.generate(prompt, max_new_tokens=30)
-        assert spec.token_ids == jetflow.generate(target, prompt, max_new_tokens=30).token_ids
-        lengths += spec.stats["accept_lengths"]
-    assert sum(lengths) / len(lengths) > 3.0  # block size 5: at most 5 per round
+    assert lossless_tau(jf, seqs, trainer.train_set) > 3.0  # block size 5: at most 5 per round
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == trainer.total_steps and "top1_agreement" in log[-1]
 
@@ -122,13 +115,7 @@ def test_cached_teacher_gives_the_online_loss_and_trains_a_reduced_vocab_head(ta
     head = jetflow.DraftHead.from_pretrained(tmp_path / "reduced" / "drafter", target=target)
     assert head.draft_ids.tolist() == trainer.head.draft_ids.tolist()
     jf = jetflow.JetFlow(target, head, budget=16, width=3)
-    lengths = []
-    for index in trainer.train_set:
-        prompt = seqs[index].token_ids[: seqs[index].prompt_len]
-        spec = jf.generate(prompt, max_new_tokens=30)
-        assert spec.token_ids == jetflow.generate(target, prompt, max_new_tokens=30).token_ids
-        lengths += spec.stats["accept_lengths"]
-    assert sum(lengths) / len(lengths) > 2.5
+    assert lossless_tau(jf, seqs, trainer.train_set) > 2.5
     assert (tmp_path / "reduced" / "loss_curve.png").stat().st_size > 1000
 
 
@@ -157,3 +144,26 @@ def test_two_process_data_parallel_matches_one_process(tiny_dir, tmp_path):
     assert len(one) == len(two) == 2
     assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)
     assert two[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-4)  # same update on both sides
+
+
+def test_revealed_blocks_train_a_head_that_runs_its_second_pass(target, data, tmp_path):
+    """--reveal: the saved head says it can run the path-conditioned pass, decoding runs it by
+    default, output stays lossless, and acceptance is high on the overfitted set."""
+    seqs = load_sequences(data, target)
+    trainer = Trainer(target, seqs, tmp_path / "run", config(lr=1e-2, epochs=150, reveal=0.5,
+                                                             feed_last_feature=True, depth_embedding=True))
+    first = trainer.evaluate()["eval_loss"]
+    trainer.fit(log=lambda r: None)
+    assert trainer.evaluate()["eval_loss"] < first / 5
+    head = jetflow.DraftHead.from_pretrained(tmp_path / "run" / "drafter", target=target)
+    assert head.config.path_refine
+    jf = jetflow.JetFlow(target, head, budget=16, width=3, lookup=False)
+    assert jf.drafter.refine
+    assert lossless_tau(jf, seqs, trainer.train_set) > 3.0
+
+
+@pytest.mark.parametrize("kw", [dict(reveal=1.5), dict(reveal=0.5, attention="bidirectional"),
+                                dict(reveal=0.5, block_size=2), dict(reveal=0.5, head="eagle3")])
+def test_reveal_is_refused_where_it_means_nothing(kw):
+    with pytest.raises(JetFlowError, match="reveal"):
+        config(**kw)

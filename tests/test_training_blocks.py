@@ -34,6 +34,20 @@ def test_teacher_indexing_on_hand_built_sequence():
     assert b.depth.tolist() == [0, 1, 2, 3]
 
 
+def test_revealed_slots_hold_the_next_tokens_and_are_not_supervised():
+    tokens = torch.tensor([100, 101, 102, 7, 8, 9, 10, 11, 12])
+    b = make_blocks(tokens, torch.tensor([3, 4, 6]), block_size=5, mask_token_id=0, revealed=torch.tensor([2, 0, 3]))
+    assert b.block_ids.view(3, 5).tolist() == [[7, 8, 9, 0, 0],  # slots 1..2 show positions 4, 5
+                                               [8, 0, 0, 0, 0],  # nothing revealed: a plain block
+                                               [10, 11, 12, 0, 0]]  # slot 3 would be position 9: past the end
+    assert b.loss_mask.view(3, 5).tolist() == [[False, False, False, True, True],
+                                               [False, True, True, True, True],
+                                               [False, False, False, False, False]]
+    plain = make_blocks(tokens, torch.tensor([3, 4, 6]), 5, 0)
+    for name in ("positions", "teacher_index", "labels", "depth"):  # only inputs and supervision change
+        assert torch.equal(getattr(b, name), getattr(plain, name))
+
+
 def test_anchor_sampling_stays_inside_the_answer():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

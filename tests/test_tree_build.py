@@ -1,4 +1,3 @@
-import itertools
 import random
 
 import pytest
@@ -11,12 +10,22 @@ from jetflow.tree.mask import path_to_root
 def brute_force_best(logprobs, budget, width):
     """Enumerate every path of candidates (depth <= D, top-width per depth) and keep the best
     ``budget`` by cumulative log-probability."""
-    top_lp, top_ids = logprobs.topk(width, dim=-1)
-    paths = []
-    for depth in range(1, logprobs.shape[0] + 1):
-        for ranks in itertools.product(range(width), repeat=depth):
-            score = sum(float(top_lp[d, r]) for d, r in enumerate(ranks))
-            paths.append((score, tuple(int(top_ids[d, r]) for d, r in enumerate(ranks))))
+    depth = logprobs.shape[0]
+    return brute_force_rows(logprobs, lambda row, token: row + 1 if row + 1 < depth else None, budget, width)
+
+
+def brute_force_rows(rows, next_row, budget, width):
+    """Every candidate path (each node's children: the top-``width`` of its row), best ``budget``."""
+    top_lp, top_ids = rows.topk(width, dim=-1)
+    paths, stack = [], [((), 0.0, 0)]
+    while stack:
+        tokens, score, row = stack.pop()
+        if row is None:
+            continue
+        for r in range(width):
+            tok, s = int(top_ids[row, r]), score + float(top_lp[row, r])
+            paths.append((s, tokens + (tok,)))
+            stack.append((tokens + (tok,), s, next_row(row, tok)))
     paths.sort(key=lambda x: -x[0])
     return paths[:budget]
 

@@ -106,3 +106,17 @@ def peaked_tiny_target(tokenizer, tapped_layers=(1, 2)):
     with torch.no_grad():
         model.model.norm.weight.mul_(4)
     return TargetModel(model, tokenizer, name="tiny", tapped_layers=list(tapped_layers))
+
+
+def lossless_tau(jf, seqs, indices, max_new_tokens: int = 30) -> float:
+    """Greedy speculative decoding of the prompts of ``seqs[i]`` for i in ``indices``: every output
+    must equal autoregressive decoding; returns the mean accepted tokens per round."""
+    import jetflow
+
+    lengths = []
+    for index in indices:
+        prompt = seqs[index].token_ids[: seqs[index].prompt_len]
+        spec = jf.generate(prompt, max_new_tokens=max_new_tokens)
+        assert spec.token_ids == jetflow.generate(jf.target, prompt, max_new_tokens=max_new_tokens).token_ids
+        lengths += spec.stats["accept_lengths"]
+    return sum(lengths) / len(lengths)

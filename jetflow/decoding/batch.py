@@ -149,7 +149,7 @@ class BatchDecoder:
         trees, shared = {}, []  # shared: requests sized by the load budget
         auto = [r for r in self.active if r.budget is None and r._drafter is not None]
         drafting = bool(auto) and self.load_budget.should_draft(len(self.active))
-        t_draft = time.perf_counter()
+        all_auto, t_draft = len(auto) == len(self.active), time.perf_counter()
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:
@@ -207,6 +207,9 @@ class BatchDecoder:
             r.root = bonuses[r.id]
             if r.finished:
                 done.append(self._finish(r))
+        if all_auto and len(trees) > 1:  # what this step achieved decides the next steps' drafting
+            emitted = sum(len(p) for p in paths.values())  # accepted drafts + a bonus token per request
+            self.load_budget.observe_step(len(trees), drafting, emitted, (time.perf_counter() - t_draft) * 1e3)
         return done
 
     def _finish(self, r: BatchRequest) -> BatchRequest:

@@ -9,6 +9,7 @@ import torch
 
 from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
+from jetflow.decoding.refine import refine
 from jetflow.models.int8 import int8_linear, int8_linears
 from jetflow.tree.build import DraftTree, build_tree
 
@@ -26,8 +27,13 @@ class BlockProposal:
 
 
 class BlockDrafter:
-    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False):
+    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None):
+        """``refine``: run the path-conditioned second pass each round (decoding/refine.py); None: when
+        the head was trained for it (``config.path_refine``)."""
         check_compatible(head.config, target)
+        self.refine = head.config.path_refine if refine is None else refine
+        if self.refine and head.config.attention != "causal":
+            raise ValueError("the path-conditioned pass needs a causal block head")
         target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.eval().requires_grad_(False)
         self.embed = target.embed  # shared, frozen
@@ -89,7 +95,10 @@ class BlockDrafter:
         """The round's draft: one head forward; ``room`` caps the depth (context end), and so does
         ``max_nodes`` (a tree of n nodes is at most n deep: a causal head skips the deeper slots)."""
         depth = room if max_nodes is None else min(room, max_nodes)
-        return BlockProposal(self.head_logprobs(anchor, position, depth)[:room], anchor, width, self.draft_ids)
+        first = self.head_logprobs(anchor, position, depth)[:room]
+        if self.refine and first.shape[0] >= 2:
+            return refine(self, anchor, position, first, width)
+        return BlockProposal(first, anchor, width, self.draft_ids)
 
     def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
         """Draft log-probabilities [D, V] over the target vocabulary (tokens outside a reduced

@@ -125,6 +125,8 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
            "attention": c.attention}
     if getattr(drafter, "lookup", False):  # only when set, so costs measured before lookup existed still apply
         key["lookup"] = True
+    if getattr(getattr(drafter, "primary", drafter), "refine", False):  # a second head pass per draft
+        key["refine"] = True
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"costs-{digest}.json"
     if path.is_file():

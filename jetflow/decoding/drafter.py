@@ -46,11 +46,14 @@ class Drafter(Protocol):
 DRAFTERS: dict[str, type[Drafter]] = {"block": BlockDrafter, "eagle3": EagleDrafter}  # head kind -> its runner
 
 
-def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False, lookup: bool = False) -> Drafter:
+def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False, lookup: bool = False,
+                 refine: bool | None = None) -> Drafter:
     """The decoding-time runner of a head: one block forward per round, or EAGLE's D forwards.
     ``int8``: run a block head's matmuls with int8 weights (the lean CPU draft). ``lookup``: merge
-    prompt-lookup candidates into its trees (decoding/mixed_drafter.py)."""
-    options = {"int8": int8} if head.kind == "block" else {}  # EAGLE's sequential forwards stay float
+    prompt-lookup candidates into its trees (decoding/mixed_drafter.py). ``refine``: a block head's
+    path-conditioned second pass (decoding/refine.py; None: when the head was trained for it)."""
+    # EAGLE's sequential forwards stay float
+    options = {"int8": int8, "refine": refine} if head.kind == "block" else {}
     drafter = DRAFTERS[head.kind](head, target, **options)
     return MixedDrafter(drafter, target) if lookup else drafter
 
@@ -65,7 +68,7 @@ def propose_many(drafters: list[Drafter], anchors: list[int], positions: list[in
     for i, d in enumerate(base):
         # int8 drafts quantize each call's activations with one scale: batched, a request's draft
         # would depend on its batch-mates, so they run one by one.
-        if isinstance(d, BlockDrafter) and not d.int8:
+        if isinstance(d, BlockDrafter) and not d.int8 and not d.refine:  # (a second pass: one by one)
             groups.setdefault(id(d.head), []).append(i)
     for members in groups.values():
         if len(members) < 2:

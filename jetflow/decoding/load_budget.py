@@ -17,6 +17,12 @@ an exploring drafted step now and then to keep the estimate current (the gap dou
 ``max_explore_every``, while exploring keeps finding that drafting does not pay). What drafting
 achieved is remembered per batch-size bucket (1, 2, 3-4, 5-8, ...), so a batch whose size moves by
 one or two as requests come and go is not re-explored at every new size.
+
+The cost curve is the single sequence's; a batched forward can cost more than it says (torch pads
+every tree to the largest, and builds a mask per row). So the decoder also reports each step's
+measured tokens per millisecond (:meth:`observe_step`), and once a bucket has measured both drafted
+and plain steps, those measurements decide whether to draft; the other way is still tried now and
+then.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ class LoadBudget:
         # A lone request's policy; its per-(depth, q) acceptance counts serve every batch size.
         self.single = self.acceptance = AdaptiveBudget(costs)
         self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
+        self.measured: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> running measured tokens/ms
         self.recent_cap = max_budget
-        self._plain_steps: dict[int, int] = {}
+        self._since: dict[int, int] = {}  # steps since the other way was last tried
         self._gap: dict[int, int] = {}
+        self._prefer: dict[int, bool] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -59,16 +67,28 @@ class LoadBudget:
         if batch == 1:
             return self.single.should_draft()
         b = self.bucket(batch)
-        rate = self.draft_rate.get(b)
-        if rate is None or rate >= self.plain_rate(batch):
-            self._plain_steps[b], self._gap[b] = 0, self.explore_every
-            return True
-        self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
-        if self._plain_steps[b] >= self._gap.get(b, self.explore_every):
-            self._plain_steps[b] = 0
+        drafted, plain = self.measured.get((b, True)), self.measured.get((b, False))
+        if drafted is not None and plain is not None:  # both ways measured at this batch size
+            prefer = drafted >= plain
+        else:
+            rate = self.draft_rate.get(b)
+            prefer = rate is None or rate >= self.plain_rate(batch)
+        if prefer != self._prefer.get(b, True):  # the preference changed: explore at the base rate again
+            self._prefer[b], self._since[b], self._gap[b] = prefer, 0, self.explore_every
+        self._since[b] = self._since.get(b, 0) + 1
+        if self._since[b] >= self._gap.get(b, self.explore_every):  # try the other way now and then,
+            self._since[b] = 0  # less and less often while it keeps losing
             self._gap[b] = min(2 * self._gap.get(b, self.explore_every), self.max_explore_every)
-            return True
-        return False
+            return not prefer
+        return prefer
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, ms: float) -> None:
+        """A batched step's measured outcome: ``tokens`` emitted over all requests in ``ms``."""
+        if batch < 2 or ms <= 0:
+            return
+        key = (self.bucket(batch), drafted)
+        rate, old = tokens / ms, self.measured.get(key)
+        self.measured[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def choose(self, trees: list[DraftTree], draft_ms: float) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only)."""

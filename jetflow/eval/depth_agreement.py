@@ -13,6 +13,10 @@ target features up to a-1 plus the anchor token.
   of the chain, given the sequence's own tokens a+1..a+k-1 (the draft path that a greedy round
   accepts up to there).
 
+With ``path_conditioned``, a causal block head's depth-k draft comes from a block whose slots 1..k-1
+hold the sequence's own tokens (revealed blocks, the layout of its path-conditioned second pass,
+decoding/refine.py), so both kinds are scored given the true path.
+
 Besides agreement at each depth (the fraction of anchors with a+k inside the sequence whose depth-k
 draft is the target's token), ``prefix_agreement[k-1]`` is the fraction whose depths 1..k all agree:
 the probability that a greedy chain from a uniformly drawn anchor accepts at least k tokens, which
@@ -72,20 +76,33 @@ def _to_target_ids(head: DraftHead, draft_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def block_depth_predictions(head: DraftHead, embed, lm_weight: torch.Tensor, features: torch.Tensor,
-                            tokens: torch.Tensor, prompt_len: int, max_depth: int, chunk: int = 64) -> torch.Tensor:
-    """Top-1 target token ids [anchors, max_depth] of a block head at every answer anchor."""
+                            tokens: torch.Tensor, prompt_len: int, max_depth: int, chunk: int = 64,
+                            path_conditioned: bool = False) -> torch.Tensor:
+    """Top-1 target token ids [anchors, max_depth] of a block head at every answer anchor (with
+    ``path_conditioned``, depth k after the true tokens of depths 1..k-1: one block layout per depth)."""
     if max_depth > head.config.block_size - 1:
         raise JetFlowError(f"max depth {max_depth} is beyond the block head's {head.config.block_size - 1} depths")
+    if path_conditioned and head.config.attention != "causal":
+        raise JetFlowError("path-conditioned agreement needs a causal block head")
     anchors = answer_anchors(prompt_len, len(tokens))
     size = max_depth + 1 if head.config.attention == "causal" else head.config.block_size
     context = block_context(head, features)
     out = []
     for start in range(0, len(anchors), chunk):
         picks = anchors[start:start + chunk]
-        blocks = make_blocks(tokens, picks, size, head.config.mask_token_id)
-        hidden = blocks_forward(head, embed, features, blocks, context).view(len(picks), size, -1)
-        slots = hidden[:, 1:max_depth + 1].reshape(-1, hidden.shape[-1]).to(lm_weight.dtype)  # 2-D: a strided
-        top = (slots @ lm_weight.T).argmax(-1).view(len(picks), max_depth)  # 3-D matmul is ~6x slower here
+        if path_conditioned:  # depth k: slots 1..k-1 revealed, read slot k of a (k+1)-slot block
+            tops = []
+            for k in range(1, max_depth + 1):
+                shown = torch.full((len(picks),), k - 1, dtype=torch.long)
+                blocks = make_blocks(tokens, picks, k + 1, head.config.mask_token_id, shown)
+                hidden = blocks_forward(head, embed, features, blocks, context).view(len(picks), k + 1, -1)
+                tops.append((hidden[:, k].to(lm_weight.dtype) @ lm_weight.T).argmax(-1))
+            top = torch.stack(tops, 1)
+        else:
+            blocks = make_blocks(tokens, picks, size, head.config.mask_token_id)
+            hidden = blocks_forward(head, embed, features, blocks, context).view(len(picks), size, -1)
+            slots = hidden[:, 1:max_depth + 1].reshape(-1, hidden.shape[-1]).to(lm_weight.dtype)  # 2-D: a strided
+            top = (slots @ lm_weight.T).argmax(-1).view(len(picks), max_depth)  # 3-D matmul is ~6x slower here
         out.append(_to_target_ids(head, top).cpu())
     return torch.cat(out) if out else torch.zeros(0, max_depth, dtype=torch.long)
 
@@ -113,12 +130,16 @@ def eagle_depth_predictions(head, embed, lm_weight: torch.Tensor, features: torc
 
 
 def depth_agreement_of_sequence(head: DraftHead, embed, lm_weight, features: torch.Tensor, seq: Sequence,
-                                teacher_top1: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                teacher_top1: torch.Tensor, max_depth: int,
+                                path_conditioned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(agree, valid) bool [anchors, max_depth] of one sequence; ``teacher_top1`` [L-1-prompt_len]:
     the target's top-1 token at positions prompt_len..L-2 (the token it would put at the next one)."""
     tokens = torch.tensor(seq.token_ids)
-    predict = eagle_depth_predictions if head.config.kind == "eagle3" else block_depth_predictions
-    preds = predict(head, embed, lm_weight, features, tokens, seq.prompt_len, max_depth)
+    if head.config.kind == "eagle3":  # its depth k is conditioned on the true path already
+        preds = eagle_depth_predictions(head, embed, lm_weight, features, tokens, seq.prompt_len, max_depth)
+    else:
+        preds = block_depth_predictions(head, embed, lm_weight, features, tokens, seq.prompt_len, max_depth,
+                                        path_conditioned=path_conditioned)
     anchors = answer_anchors(seq.prompt_len, len(tokens))
     k = torch.arange(1, max_depth + 1)
     rows = anchors[:, None] + k[None, :] - 1 - seq.prompt_len  # teacher row of position a+k-1
@@ -142,7 +163,7 @@ def teacher_top1(teacher, index: int, seq: Sequence) -> tuple[torch.Tensor, torc
 
 @torch.no_grad()
 def depth_agreement(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
-                    max_depth: int = 4) -> DepthAgreement:
+                    max_depth: int = 4, path_conditioned: bool = False) -> DepthAgreement:
     """Per-depth agreement of ``head`` over ``sequences[i]`` for i in ``indices``, at every answer anchor.
     ``teacher`` must give the full vocabulary (an ``OnlineTeacher``/``CachedTeacher`` built without draft ids)."""
     if max_depth < 1:
@@ -155,13 +176,14 @@ def depth_agreement(head: DraftHead, target: TargetModel, sequences: list[Sequen
         if len(seq.token_ids) - 2 < seq.prompt_len:
             continue
         features, top1 = teacher_top1(teacher, index, seq)
-        agree, valid = depth_agreement_of_sequence(head, target.embed, lm_weight, features, seq, top1, max_depth)
+        agree, valid = depth_agreement_of_sequence(head, target.embed, lm_weight, features, seq, top1, max_depth,
+                                                   path_conditioned)
         result.add(agree, valid)
     return result
 
 
 def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
-                       max_depth: int = 4, log=print) -> dict:
+                       max_depth: int = 4, log=print, path_conditioned: bool = False) -> dict:
     """Per-depth agreement of each drafter checkpoint (block or EAGLE) on a range of regenerated
     sequences; features and the target's top-1 from ``teacher_cache`` or the target run online."""
     from jetflow.eval.offline_acceptance import eval_teacher, parse_range
@@ -175,9 +197,11 @@ def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teach
         target.set_tapped_layers(head.config.target_layer_ids)
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
-        summary = depth_agreement(head, target, sequences, teacher, list(range(start, end)), max_depth).summary()
+        summary = depth_agreement(head, target, sequences, teacher, list(range(start, end)), max_depth,
+                                  path_conditioned).summary()
         results[str(path)] = {"kind": head.config.kind, **summary, "seconds": round(time.perf_counter() - t0, 1)}
         log(f"{path} ({head.config.kind}): agreement " + " ".join(f"{a:.3f}" for a in summary["agreement"])
             + " | prefix " + " ".join(f"{a:.3f}" for a in summary["prefix_agreement"]))
     return {"data": str(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
-            "sequences": [start, end], "max_depth": max_depth, "drafters": results}
+            "sequences": [start, end], "max_depth": max_depth, "path_conditioned": path_conditioned,
+            "drafters": results}

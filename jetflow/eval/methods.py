@@ -15,6 +15,9 @@
     jetflow        causal head, best-first tree
     jetflow-lookup causal head and prompt lookup merged into one tree (JetFlow's default drafting)
     jetflow-chain  causal head, chain
+    jetflow-refine causal head trained with revealed blocks (``train --reveal``), best-first tree
+                   over its first pass and its path-conditioned second pass (decoding/refine.py);
+                   ``jetflow`` runs the same head's first pass alone
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
     llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
                    llama-tools``) with a DFlash-compatible causal head exported by ``export-gguf``:
@@ -64,7 +67,7 @@ METHODS = {m.name: m for m in [
     MethodSpec("ar", None, False), MethodSpec("hf", None, False), MethodSpec("pld", None, False),
     MethodSpec("dflash", "bidirectional", False), MethodSpec("ddtree", "bidirectional", True),
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
-    MethodSpec("jetflow-lookup", "causal", True),
+    MethodSpec("jetflow-lookup", "causal", True), MethodSpec("jetflow-refine", "causal", True),
     MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
@@ -103,9 +106,11 @@ class MethodRunner:
             if have != kind:
                 raise JetFlowError(f"the {kind} methods need a {kind} head; the given one ({HEAD_FLAGS[kind]}) "
                                    f"is {have}")
-            self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype), lookup=False)
+            self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype),
+                                                  lookup=False, refine=False)
         self._mixed = None  # the causal head with prompt lookup merged in (jetflow-lookup)
         self._lookup = None
+        self._refined = None  # the causal head with its path-conditioned pass (jetflow-refine)
         self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
         self._torch = None  # (torch twin target, its causal-head decoder or None)
 
@@ -116,6 +121,9 @@ class MethodRunner:
             raise JetFlowError(f"method {spec.name!r} is transformers' generate: it needs --backend torch")
         if spec.backend == "llamacpp" and self.target.backend != "llamacpp":
             raise JetFlowError(f"method {spec.name!r} needs the llama.cpp backend (--backend llamacpp)")
+        if spec.name == "jetflow-refine" and not self.heads["causal"].config.path_refine:
+            raise JetFlowError("method 'jetflow-refine' needs a head trained for the path-conditioned pass "
+                               "(`jetflow train --reveal P`); the given --drafter was not")
         if spec.name == "llama-dflash":
             from jetflow.eval.llama_tools import find_llama_tools
 
@@ -147,8 +155,14 @@ class MethodRunner:
             decoder = self._torch_twin()[1]
         elif spec.name == "jetflow-lookup":
             if self._mixed is None:
-                self._mixed = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=True)
+                self._mixed = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=True,
+                                              refine=False)
             decoder = self._mixed
+        elif spec.name == "jetflow-refine":
+            if self._refined is None:
+                self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
+                                                refine=True)
+            decoder = self._refined
         else:
             decoder = self.decoders[spec.head]
         decoder.target.set_tapped_layers(decoder.drafter.head.config.target_layer_ids)  # heads may read other layers

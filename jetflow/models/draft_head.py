@@ -61,6 +61,10 @@ class DraftHeadConfig:
     # with the fused target feature: SmolLM2's embeddings have RMS ~0.13 against ~1 for the fused
     # (RMS-normed) feature, so in the sum the anchor token is a small part of the slot's input.
     embed_norm: bool = False
+    # Trained with revealed blocks (``jetflow train --reveal``): slots after a draft path's tokens
+    # predict what follows that path, so decoding can run a second, path-conditioned pass
+    # (decoding/refine.py).
+    path_refine: bool = False
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
     # "block": one forward drafts block_size - 1 depths. "eagle3": the autoregressive baseline
     # (jetflow/models/eagle_head.py); there block_size is the deepest draft tree level + 1.
@@ -228,7 +232,7 @@ class DraftHead(nn.Module):
         return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds, positions, context_kv, mask, last_feature=None,
-                block_size: int | None = None) -> torch.Tensor:
+                block_size: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
         """Block hidden states after the final norm, [..., Q, H].
 
         block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
@@ -236,7 +240,9 @@ class DraftHead(nn.Module):
         last_feature ([..., Q, H] or [H]): the fused context feature just before each slot's anchor,
         used when ``config.feed_last_feature``; ``block_size``: slots per block in ``block_embeds`` when
         they are not ``config.block_size`` (training's 2-slot depth-1 blocks); default: whole blocks, or
-        one block of Q < block_size slots."""
+        one block of Q < block_size slots. ``depths`` [Q]: the slots are one tree instead (the
+        path-conditioned pass, decoding/refine.py): slot 0 is the anchor, slot i sits at depth
+        ``depths[i]`` below it, and ``mask`` says which slots it sees."""
         x = block_embeds.to(self.fc.weight.dtype)
         if self.slot_embed_norm is not None:
             x = self.slot_embed_norm(x)
@@ -247,10 +253,14 @@ class DraftHead(nn.Module):
             # Every slot starts from (anchor token, target state before it), EAGLE's input pair.
             # Whole blocks (training), or one block cut after its first Q slots (a causal head at
             # inference drafts only the depths a tree of the round's budget can reach).
-            blocks = x.unflatten(-2, (-1, b))
-            x = (blocks + blocks[..., :1, :]).flatten(-3, -2) + last_feature.to(x.dtype)
+            if depths is None:
+                blocks = x.unflatten(-2, (-1, b))
+                x = (blocks + blocks[..., :1, :]).flatten(-3, -2)
+            else:
+                x = x + x[..., :1, :]
+            x = x + last_feature.to(x.dtype)
         if self.depth_embed is not None:  # slots are laid out block after block, depth 0..B-1 in each
-            depth = torch.arange(x.shape[-2], device=x.device) % b
+            depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
             x = x + self.depth_embed(depth).to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, context_kv):

@@ -61,7 +61,12 @@ def block_sequence_loss(trainer, index: int, generator: torch.Generator) -> tupl
     seq = trainer.sequences[index]
     tokens = torch.tensor(seq.token_ids)
     anchors = sample_anchors(seq.prompt_len, len(tokens), c.anchors_per_seq, generator)
-    blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id)
+    revealed = None
+    if c.reveal > 0 and head.training:  # held-out evaluation keeps plain blocks, comparable across arms
+        k = anchors.shape[0]
+        shown = torch.rand(k, generator=generator) < c.reveal
+        revealed = torch.where(shown, torch.randint(1, c.block_size - 1, (k,), generator=generator), 0)
+    blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id, revealed)
     labels = blocks.labels if trainer.label_index is None else trainer.label_index[blocks.labels]
     usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
     sel = usable.nonzero().flatten()

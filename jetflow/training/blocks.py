@@ -41,17 +41,27 @@ def sample_anchors(prompt_len: int, seq_len: int, count: int, generator: torch.G
     return (picks + lo).sort().values
 
 
-def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> BlockBatch:
-    """Blocks for one sequence ``tokens`` [T] (prompt + answer) and its ``anchors`` [K]."""
+def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                revealed: torch.Tensor | None = None) -> BlockBatch:
+    """Blocks for one sequence ``tokens`` [T] (prompt + answer) and its ``anchors`` [K].
+
+    ``revealed`` [K]: in block i, slots 1..revealed[i] hold the sequence's own next tokens instead
+    of MASK and are not supervised. Those blocks train the head's second, path-conditioned pass
+    (decoding/refine.py), where the slots after a draft path's tokens predict what follows that path."""
     seq_len = tokens.shape[0]
     j = torch.arange(block_size)
     pos = (anchors[:, None] + j[None, :]).flatten()
     depth = j.repeat(anchors.shape[0])
-    block_ids = torch.full_like(pos, mask_token_id)
-    block_ids[depth == 0] = tokens[anchors]
     inside = pos < seq_len
     labels = torch.where(inside, tokens[pos.clamp(max=seq_len - 1)], torch.zeros_like(pos))
-    return BlockBatch(anchors, block_ids, pos, (pos - 1).clamp(min=0), labels, inside & (depth > 0), depth)
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[depth == 0] = tokens[anchors]
+    supervised = inside & (depth > 0)
+    if revealed is not None:
+        shown = (depth >= 1) & (depth <= revealed.repeat_interleave(block_size)) & inside
+        block_ids = torch.where(shown, labels, block_ids)
+        supervised &= ~shown
+    return BlockBatch(anchors, block_ids, pos, (pos - 1).clamp(min=0), labels, supervised, depth)
 
 
 def answer_anchors(prompt_len: int, seq_len: int) -> torch.Tensor:

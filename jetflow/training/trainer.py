@@ -67,6 +67,10 @@ class TrainConfig:
     # only K positions per sequence; an EAGLE head's first unroll step supervises all of them.
     dense_depth1: float = 0.0
     embed_norm: bool = False  # block heads: RMS-normalise the slots' token embeddings (DraftHeadConfig.embed_norm)
+    # causal block heads: the share of training blocks whose first m slots (m uniform in 1..B-2) hold
+    # the true next tokens instead of MASK (unsupervised), so the later slots learn to predict what
+    # follows a given path: the head's second, path-conditioned pass (decoding/refine.py). 0: off.
+    reveal: float = 0.0
 
     def __post_init__(self):
         if self.head not in HEAD_KINDS:
@@ -87,6 +91,11 @@ class TrainConfig:
         if self.dense_depth1 > 0 and (self.head != "block" or self.attention != "causal"):
             raise JetFlowError("dense depth-1 blocks are for causal block heads (a 2-slot block equals slot 1 of a "
                                "full block only under causal attention; an EAGLE head's first step is dense already)")
+        if not 0 <= self.reveal <= 1:
+            raise JetFlowError(f"reveal must be in [0, 1], got {self.reveal}")
+        if self.reveal > 0 and (self.head != "block" or self.attention != "causal" or self.block_size < 3):
+            raise JetFlowError("revealed blocks (--reveal) train the path-conditioned pass of causal block heads "
+                               "with a block of at least 3 slots")
         if self.lr <= 0 or self.kl_temperature <= 0 or self.gamma < 0:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
@@ -144,6 +153,8 @@ class Trainer:
                 required = target.stop_token_ids()
                 head.set_draft_vocab(select_draft_vocab(counts, vocab, required))
         self.head = head.to(target.device).train()
+        if config.reveal > 0:  # the checkpoint says its head can run the path-conditioned pass
+            self.head.config.path_refine = True
         self.embed = target.embed
         self.teacher_cache = teacher_cache
         self._bind_vocab()

@@ -86,31 +86,43 @@ def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width
     Adds at most ``budget`` draft nodes with depth <= D, each depth offering its top-``width`` tokens.
     ``width=1`` gives a chain (DFlash's draft).
     """
+    depth = depth_logprobs.shape[0]
+    return build_tree_rows(depth_logprobs, lambda row, token: row + 1 if row + 1 < depth else None,
+                           root_token, budget, width, vocab_ids)
+
+
+def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: int, width: int,
+                    vocab_ids: torch.Tensor | None = None) -> DraftTree:
+    """Best-first tree where each node's children come from a row of ``logprobs`` [R, V]: the root's
+    from row 0, and the children of a node that came from row r with token t from row
+    ``next_row(r, t)`` (None: a leaf). Per-depth rows (:func:`build_tree`) are the case
+    next_row(r, t) = r + 1; a path-conditioned pass gives the nodes of one path rows of their own
+    (decoding/refine.py)."""
     if budget < 0 or width < 1:
         raise ValueError(f"budget must be >= 0 and width >= 1 (got {budget}, {width})")
     tree = DraftTree.root_only(root_token)
-    max_depth = depth_logprobs.shape[0]
-    if budget == 0 or max_depth == 0:
+    if budget == 0 or logprobs.shape[0] == 0:
         return tree
-    w = min(width, depth_logprobs.shape[1])
-    top_lp, top_ids = depth_logprobs.float().topk(w, dim=-1)
+    w = min(width, logprobs.shape[1])
+    top_lp, top_ids = logprobs.float().topk(w, dim=-1)
     if vocab_ids is not None:
         top_ids = vocab_ids.to(top_ids.device)[top_ids]
     lp, ids = top_lp.tolist(), top_ids.tolist()  # one transfer; the search itself is pure Python
-    # Frontier entries: (-score, tie-breaker, parent node, depth, rank).
-    frontier = [(-lp[0][0], 0, 0, 1, 0)]
+    # Frontier entries: (-score, tie-breaker, parent node, row, rank).
+    frontier = [(-lp[0][0], 0, 0, 0, 0)]
     counter = 1
     while frontier and len(tree) - 1 < budget:
-        neg, _, parent, depth, rank = heapq.heappop(frontier)
+        neg, _, parent, row, rank = heapq.heappop(frontier)
         score = -neg
         if score == float("-inf"):  # only impossible tokens left (outside a reduced draft vocabulary)
             break
-        node = tree.add(ids[depth - 1][rank], parent, score)
+        node = tree.add(ids[row][rank], parent, score)
         if rank + 1 < w:  # next-best sibling under the same parent
-            sib = tree.scores[parent] + lp[depth - 1][rank + 1]
-            heapq.heappush(frontier, (-sib, counter, parent, depth, rank + 1))
+            sib = tree.scores[parent] + lp[row][rank + 1]
+            heapq.heappush(frontier, (-sib, counter, parent, row, rank + 1))
             counter += 1
-        if depth < max_depth:  # best child
-            heapq.heappush(frontier, (-(score + lp[depth][0]), counter, node, depth + 1, 0))
+        child_row = next_row(row, ids[row][rank])
+        if child_row is not None:  # best child
+            heapq.heappush(frontier, (-(score + lp[child_row][0]), counter, node, child_row, 0))
             counter += 1
     return tree

@@ -1,0 +1,80 @@
+"""The path-conditioned second pass of a causal block head (the paper's Eq. 5-7 ideal, approximated).
+
+A block head's first pass gives one distribution per depth, the same for every path. The second
+pass puts the first pass's most likely path t1..t(D-1) into the slots, as tokens, and adds below
+each path token t_j a MASK slot q_j at depth j+1; with a tree-causal mask, q_j sees the context, the
+anchor and t1..tj only. A head trained with revealed blocks (``jetflow train --reveal``: the first m
+slots hold the true next tokens, the rest stay MASK) reads q_j as "what follows this path", so its
+output is the depth-(j+1) distribution conditioned on the path. The tree is then built best-first
+over both passes' rows: a node on the path takes its children from its path-conditioned row, every
+other node from the first pass's row of its depth (tree/build.py, build_tree_rows).
+
+Layout of the pass, 2D-1 slots for D draft depths: [anchor, t1..t(D-1), q1..q(D-1)].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetflow.tree.build import DraftTree, build_tree_rows
+from jetflow.tree.mask import ancestor_matrix
+
+
+def refine_layout(depth: int) -> tuple[list[int], list[int]]:
+    """Parents and depths of the pass's slots for ``depth`` draft depths (D >= 2)."""
+    m = depth - 1
+    parents = [-1] + list(range(m)) + list(range(1, m + 1))  # t_j under t_(j-1) (t_0: anchor); q_j under t_j
+    depths = [0] + list(range(1, m + 1)) + list(range(2, m + 2))
+    return parents, depths
+
+
+def path_rows(depth: int, path_tokens: list[int]):
+    """``next_row`` for build_tree_rows over rows [first pass, depths 1..D] + [path rows q1..q(D-1)]:
+    row r < D is depth r+1 of the first pass; row D+j-1 is depth j+1 after the path t1..tj."""
+    d = depth
+
+    def next_row(row: int, token: int) -> int | None:
+        if row < d:  # a first-pass node: on the path only if it is t1 under the root
+            if row == 0 and d >= 2 and token == path_tokens[0]:
+                return d
+            return row + 1 if row + 1 < d else None
+        j = row - d + 1  # the node is a child of t_j, at depth j+1
+        if j + 1 <= d - 1 and token == path_tokens[j]:  # it is t_(j+1): still on the path
+            return row + 1
+        return j + 1 if j + 1 < d else None  # off the path: the first pass's row for depth j+2
+
+    return next_row
+
+
+class RefinedProposal:
+    """Both passes' rows; a tree of any budget is built from them."""
+
+    def __init__(self, rows: torch.Tensor, path_tokens: list[int], depth: int, root: int, width: int,
+                 vocab_ids: torch.Tensor | None = None):
+        self.rows, self.path_tokens, self.depth = rows, path_tokens, depth
+        self.root, self.width, self.vocab_ids = root, width, vocab_ids
+
+    def tree(self, budget: int) -> DraftTree:
+        return build_tree_rows(self.rows, path_rows(self.depth, self.path_tokens), self.root, budget,
+                               self.width, self.vocab_ids)
+
+
+@torch.inference_mode()
+def refine(drafter, anchor: int, position: int, first: torch.Tensor, width: int) -> RefinedProposal:
+    """The second pass after ``first`` [D, Vd], the first pass's rows from ``anchor`` at ``position``
+    (the drafter's context must end right before it)."""
+    d = first.shape[0]
+    path_ids = first.argmax(-1)
+    path = (path_ids if drafter.draft_ids is None else drafter.draft_ids[path_ids]).tolist()
+    if d < 2:
+        return RefinedProposal(first, path, d, anchor, width, drafter.draft_ids)
+    head, device = drafter.head, drafter.head.fc.weight.device
+    parents, depths = refine_layout(d)
+    ids = torch.tensor([anchor] + path[: d - 1] + [head.config.mask_token_id] * (d - 1), device=device)
+    depth_t = torch.tensor(depths, device=device)
+    inner = ancestor_matrix(parents).to(device)
+    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device), inner], 1)
+    hidden = drafter.run_head(drafter.embed(ids), position + depth_t, drafter.context_kv, mask,
+                              drafter.last_feature, depths=depth_t)
+    rows = torch.cat([first, drafter._output_logprobs(hidden[d:])])
+    return RefinedProposal(rows, path, d, anchor, width, drafter.draft_ids)

@@ -1,0 +1,108 @@
+"""The path-conditioned second pass (jetflow/decoding/refine.py) against brute-force references:
+each of its rows equals a plain causal block whose first slots hold the path (the training layout
+of revealed blocks), its trees equal an enumeration of every candidate path, and greedy decoding
+with it equals autoregressive decoding."""
+
+import random
+
+import pytest
+import torch
+
+import jetflow
+from jetflow.decoding.block_drafter import BlockDrafter
+from jetflow.decoding.refine import path_rows, refine_layout
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.target import TargetModel
+from jetflow.tree.build import build_tree, build_tree_rows
+from jetflow.tree.mask import path_to_root
+from test_tree_build import brute_force_rows
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+
+
+def make_head(target, **kw):
+    torch.manual_seed(0)
+    return DraftHead(DraftHeadConfig.for_target(target, block_size=6, feed_last_feature=True, depth_embedding=True,
+                                                **kw)).eval()
+
+
+def test_layout_is_the_path_with_a_mask_slot_under_each_token():
+    parents, depths = refine_layout(4)  # [anchor, t1, t2, t3, q1, q2, q3]
+    assert parents == [-1, 0, 1, 2, 1, 2, 3] and depths == [0, 1, 2, 3, 2, 3, 4]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab):
+    head = make_head(target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)
+    drafter = BlockDrafter(head, target, refine=True)
+    torch.manual_seed(1)
+    drafter.extend(torch.randn(7, 2 * 64))
+    anchor, position = 11, 7
+    proposal = drafter.propose(anchor, position, room=5, width=3)
+    first = drafter.head_logprobs(anchor, position)
+    d = first.shape[0]
+    torch.testing.assert_close(proposal.rows[:d], first)
+    path = proposal.path_tokens
+    ids = first.argmax(-1)
+    assert path == (ids if head.draft_ids is None else head.draft_ids[ids]).tolist()
+    mask_id = head.config.mask_token_id
+    for j in range(1, d):  # row q_j: a plain causal block [anchor, t1..tj, MASK] read at its last slot
+        block = torch.tensor([anchor] + path[:j] + [mask_id])
+        hidden = head(target.embed(block), torch.arange(position, position + j + 2), drafter.context_kv,
+                      head.block_mask(drafter.context_len)[: j + 2, : drafter.context_len + j + 2],
+                      drafter.last_feature)
+        expected = drafter._output_logprobs(hidden[-1:])[0]
+        torch.testing.assert_close(proposal.rows[d + j - 1], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trees_over_both_passes_equal_brute_force(seed):
+    rng = random.Random(seed)
+    depth, vocab, width = rng.randint(2, 4), 9, rng.randint(1, 3)
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(2 * depth - 1, vocab, generator=g).mul(2).log_softmax(-1)
+    path = rows[:depth].argmax(-1).tolist()
+    if seed % 3 == 0:  # the path conditioned rows may prefer other tokens than the first pass's path
+        path = [int(t) for t in torch.randint(0, vocab, (depth,), generator=g)]
+    nxt = path_rows(depth, path)
+    expected = brute_force_rows(rows, nxt, 10_000, width)
+    budget = rng.randint(0, len(expected) + 2)
+    tree = build_tree_rows(rows, nxt, 99, budget, width)
+    got = [(tree.scores[n], tuple(tree.tokens[j] for j in path_to_root(tree.parents, n)[1:])) for n in range(1, len(tree))]
+    assert len(got) == min(budget, len(expected))
+    assert sorted(p for _, p in got) == sorted(p for _, p in expected[:budget])
+    assert all(tree.parents[i] < i for i in range(1, len(tree)))
+    # the path's nodes take their children from the conditioned rows, the rest from the first pass
+    assert max(tree.depths) <= depth
+
+
+def test_per_depth_rows_are_the_special_case():
+    lp = torch.randn(4, 20).log_softmax(-1)
+    a, b = build_tree(lp, 5, 30, 3), build_tree_rows(lp, lambda r, t: r + 1 if r + 1 < 4 else None, 5, 30, 3)
+    assert (a.tokens, a.parents, a.scores) == (b.tokens, b.parents, b.scores)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_greedy_decoding_with_the_second_pass_equals_autoregressive(target, int8):
+    head = make_head(target)
+    head.config.path_refine = True
+    jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False)
+    assert jf.drafter.refine
+    for prompt in ([3, 14, 15, 92, 65], [7] * 9, [101, 5]):
+        ar = jetflow.generate(target, prompt, max_new_tokens=30)
+        got = jf.generate(prompt, max_new_tokens=30)
+        assert got.token_ids == ar.token_ids
+        assert got.stats["rounds"] > 0
+
+
+def test_the_second_pass_needs_a_causal_head(target):
+    head = make_head(target, attention="bidirectional")
+    with pytest.raises(ValueError, match="causal"):
+        BlockDrafter(head, target, refine=True)
+    assert not BlockDrafter(make_head(target), target).refine  # off unless the head was trained for it
