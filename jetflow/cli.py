@@ -171,7 +171,7 @@ def cmd_train(args) -> int:
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
-                         embed_norm=args.embed_norm, reveal=args.reveal)
+                         embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal block heads: in this share of the training blocks the first m slots (m uniform in "
                         "1..B-2) hold the true next tokens instead of MASK, training the head's second, "
                         "path-conditioned pass (`--refine` when decoding; 0 = off)")
+    t.add_argument("--slot-token-gain", type=float, default=1.0, metavar="G",
+                   help="block heads: multiply the token embeddings of the slots after the anchor by G (revealed "
+                        "path tokens are otherwise a small part of a slot's input; 1 = off)")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,

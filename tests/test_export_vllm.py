@@ -57,6 +57,8 @@ def test_export_layout_and_folded_scale(tiny_dir, tmp_path, reduced):
 @pytest.mark.parametrize("kw, reason", [
     (dict(feed_last_feature=True), "--feed-last-feature"),
     (dict(depth_embedding=True), "--depth-embedding"),
+    (dict(embed_norm=True), "--embed-norm"),
+    (dict(slot_token_gain=8.0), "--slot-token-gain"),
     (dict(kind="eagle3"), "not a block head"),
 ])
 def test_heads_vllm_cannot_represent_are_refused(tiny_dir, tmp_path, kw, reason):

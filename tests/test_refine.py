@@ -14,7 +14,7 @@ from jetflow.decoding.refine import path_rows, refine_layout
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.tree.build import build_tree, build_tree_rows
-from jetflow.tree.mask import path_to_root
+from jetflow.tree.mask import ancestor_matrix, path_to_root
 from test_tree_build import brute_force_rows
 from tiny import tiny_model
 
@@ -35,9 +35,9 @@ def test_layout_is_the_path_with_a_mask_slot_under_each_token():
     assert parents == [-1, 0, 1, 2, 1, 2, 3] and depths == [0, 1, 2, 3, 2, 3, 4]
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab):
-    head = make_head(target, draft_vocab_size=draft_vocab)
+@pytest.mark.parametrize("draft_vocab,gain", [(None, 1.0), (40, 1.0), (None, 8.0)])
+def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab, gain):
+    head = make_head(target, draft_vocab_size=draft_vocab, slot_token_gain=gain)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)
     drafter = BlockDrafter(head, target, refine=True)
@@ -106,3 +106,24 @@ def test_the_second_pass_needs_a_causal_head(target):
     with pytest.raises(ValueError, match="causal"):
         BlockDrafter(head, target, refine=True)
     assert not BlockDrafter(make_head(target), target).refine  # off unless the head was trained for it
+
+
+def test_slot_token_gain_scales_the_slots_after_the_anchor(target):
+    """A gain-G head equals a gain-1 head (same weights) fed slot embeddings scaled by G after the
+    anchor, in the block layout and in the second pass's tree layout."""
+    plain, gained = make_head(target), make_head(target, slot_token_gain=8.0)
+    torch.manual_seed(2)
+    fused = plain.fuse(torch.randn(5, 2 * 64))
+    ctx, last = plain.context_kv(fused, torch.arange(5)), fused[-1]
+    block = torch.randn(6, 64)
+    scaled = torch.cat([block[:1], 8.0 * block[1:]])
+    mask = plain.block_mask(5)
+    torch.testing.assert_close(gained(block, torch.arange(5, 11), ctx, mask, last),
+                               plain(scaled, torch.arange(5, 11), ctx, mask, last), atol=1e-5, rtol=0)
+    parents, depths = refine_layout(3)
+    depth_t = torch.tensor(depths)
+    tree_mask = torch.cat([torch.ones(5, 5, dtype=torch.bool), ancestor_matrix(parents)], 1)
+    nodes = torch.randn(5, 64)
+    torch.testing.assert_close(gained(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t),
+                               plain(torch.cat([nodes[:1], 8.0 * nodes[1:]]), 5 + depth_t, ctx, tree_mask, last,
+                                     depths=depth_t), atol=1e-5, rtol=0)

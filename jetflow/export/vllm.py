@@ -40,6 +40,8 @@ def unsupported(config: DraftHeadConfig) -> list[str]:
         reasons.append("it has a learned depth embedding (--depth-embedding), which DFlash lacks")
     if config.embed_norm:
         reasons.append("it RMS-normalises the slots' token embeddings (--embed-norm), which DFlash does not")
+    if config.slot_token_gain != 1.0:
+        reasons.append("it scales the slots' token embeddings (--slot-token-gain), which DFlash does not")
     return reasons
 
 

@@ -61,6 +61,10 @@ class DraftHeadConfig:
     # with the fused target feature: SmolLM2's embeddings have RMS ~0.13 against ~1 for the fused
     # (RMS-normed) feature, so in the sum the anchor token is a small part of the slot's input.
     embed_norm: bool = False
+    # Multiplies the token embeddings of the slots after the anchor (MASK in the first pass, a draft
+    # path's tokens in the second): at SmolLM2's embedding RMS (~0.13) a revealed token is a small
+    # part of a slot's input next to the fused target feature (~1).
+    slot_token_gain: float = 1.0
     # Trained with revealed blocks (``jetflow train --reveal``): slots after a draft path's tokens
     # predict what follows that path, so decoding can run a second, path-conditioned pass
     # (decoding/refine.py).
@@ -90,7 +94,7 @@ class DraftHeadConfig:
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
                    mask_token_id: int | None = None, draft_vocab_size: int | None = None,
                    feed_last_feature: bool = False, depth_embedding: bool = False,
-                   kind: str = "block", embed_norm: bool = False) -> "DraftHeadConfig":
+                   kind: str = "block", embed_norm: bool = False, slot_token_gain: float = 1.0) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         shape = target.shape()
         return cls(
@@ -113,6 +117,7 @@ class DraftHeadConfig:
             feed_last_feature=feed_last_feature,
             depth_embedding=depth_embedding,
             embed_norm=embed_norm,
+            slot_token_gain=slot_token_gain,
             target=target.identity(),
             kind=kind,
         )
@@ -247,6 +252,9 @@ class DraftHead(nn.Module):
         if self.slot_embed_norm is not None:
             x = self.slot_embed_norm(x)
         b = block_size or min(self.config.block_size, x.shape[-2])
+        depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
+        if self.config.slot_token_gain != 1.0:  # every slot but the anchor
+            x = x * torch.where(depth > 0, self.config.slot_token_gain, 1.0).to(x.dtype)[:, None]
         if self.config.feed_last_feature:
             if last_feature is None:
                 raise ValueError("this head reads the last context feature: pass last_feature")
@@ -260,7 +268,6 @@ class DraftHead(nn.Module):
                 x = x + x[..., :1, :]
             x = x + last_feature.to(x.dtype)
         if self.depth_embed is not None:  # slots are laid out block after block, depth 0..B-1 in each
-            depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
             x = x + self.depth_embed(depth).to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, context_kv):

@@ -25,7 +25,8 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
               "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
               "feed-last-feature": (c.feed_last_feature, config.feed_last_feature),
               "depth-embedding": (c.depth_embedding, config.depth_embedding), "head": (c.kind, config.head),
-              "embed-norm": (c.embed_norm, config.embed_norm)}
+              "embed-norm": (c.embed_norm, config.embed_norm),
+              "slot-token-gain": (c.slot_token_gain, config.slot_token_gain)}
     bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
     if bad:
         raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))

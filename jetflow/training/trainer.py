@@ -71,6 +71,7 @@ class TrainConfig:
     # the true next tokens instead of MASK (unsupervised), so the later slots learn to predict what
     # follows a given path: the head's second, path-conditioned pass (decoding/refine.py). 0: off.
     reveal: float = 0.0
+    slot_token_gain: float = 1.0  # block heads: DraftHeadConfig.slot_token_gain
 
     def __post_init__(self):
         if self.head not in HEAD_KINDS:
@@ -91,6 +92,8 @@ class TrainConfig:
         if self.dense_depth1 > 0 and (self.head != "block" or self.attention != "causal"):
             raise JetFlowError("dense depth-1 blocks are for causal block heads (a 2-slot block equals slot 1 of a "
                                "full block only under causal attention; an EAGLE head's first step is dense already)")
+        if self.slot_token_gain <= 0:
+            raise JetFlowError(f"slot_token_gain must be > 0, got {self.slot_token_gain}")
         if not 0 <= self.reveal <= 1:
             raise JetFlowError(f"reveal must be in [0, 1], got {self.reveal}")
         if self.reveal > 0 and (self.head != "block" or self.attention != "causal" or self.block_size < 3):
@@ -147,7 +150,8 @@ class Trainer:
             head = new_head(DraftHeadConfig.for_target(
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
-                depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm))
+                depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm,
+                slot_token_gain=config.slot_token_gain))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
                 required = target.stop_token_ids()
