@@ -7,9 +7,9 @@ import copy
 
 import torch
 
+from jetflow.decoding.refine import refined_proposal
 from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
-from jetflow.decoding.refine import refine
 from jetflow.models.int8 import int8_linear, int8_linears
 from jetflow.tree.build import DraftTree, build_tree
 
@@ -97,7 +97,7 @@ class BlockDrafter:
         depth = room if max_nodes is None else min(room, max_nodes)
         first = self.head_logprobs(anchor, position, depth)[:room]
         if self.refine and first.shape[0] >= 2:
-            return refine(self, anchor, position, first, width)
+            return refined_proposal(self, anchor, position, first, width)
         return BlockProposal(first, anchor, width, self.draft_ids)
 
     def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:

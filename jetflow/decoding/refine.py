@@ -60,7 +60,7 @@ class RefinedProposal:
 
 
 @torch.inference_mode()
-def refine(drafter, anchor: int, position: int, first: torch.Tensor, width: int) -> RefinedProposal:
+def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int) -> RefinedProposal:
     """The second pass after ``first`` [D, Vd], the first pass's rows from ``anchor`` at ``position``
     (the drafter's context must end right before it)."""
     d = first.shape[0]

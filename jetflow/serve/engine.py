@@ -64,7 +64,12 @@ class Engine:
         self._accepting = True
         self._running: set[Job] = set()
         self.job_seconds = 1.0  # running mean of a job's duration (for Retry-After)
-        if self.max_batch > 1:  # the batch's context and drafter are made and warmed before the first client
+        self._load_budget = None  # the batch's budget under load: one for the server's lifetime, so what it learned stays
+        if self.max_batch > 1:
+            if jetflow.budget == "auto" and jetflow.drafter is not None:
+                from jetflow.decoding.load_budget import LoadBudget
+
+                self._load_budget = LoadBudget(jetflow.adaptive_budget().costs)  # the batch's context and drafter are made and warmed before the first client
             self._decoder = self._new_decoder()
             self._warm_up(self._decoder)
         work = self._work_batched if self.max_batch > 1 else self._work
@@ -122,12 +127,8 @@ class Engine:
 
     def _new_decoder(self):
         from jetflow.decoding.batch import BatchDecoder
-        from jetflow.decoding.load_budget import LoadBudget
 
         jf = self.jetflow
-        if not hasattr(self, "_load_budget"):  # one budget for the server's lifetime: what it learned stays
-            auto = jf.budget == "auto" and jf.drafter is not None
-            self._load_budget = LoadBudget(jf.adaptive_budget().costs) if auto else None
         return BatchDecoder(jf.target, jf.drafter.head if jf.drafter is not None else None, lookup=jf.lookup,
                             int8=jf.int8_draft, load_budget=self._load_budget, max_batch=self.max_batch)
 
