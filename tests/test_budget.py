@@ -1,5 +1,6 @@
 """Adaptive budget: tree prefixes, expected tokens, the choice, the statistics, and losslessness."""
 
+import itertools
 import math
 
 import pytest
@@ -36,6 +37,14 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert c.verify_ms(16) == pytest.approx(26.0) and c.verify_ms(10) == pytest.approx(20.0)
     assert c.verify_ms(300) == pytest.approx(310.0)  # linear past the last point
     assert c.round_ms(40) == pytest.approx(52.0)
+
+
+def test_cost_curve_takes_the_least_time_measured_at_a_size_or_above():
+    bumpy = CostCurve({"c1_ms": 10.0, "verify_ms": {1: 12.0, 2: 30.0, 4: 16.0, 8: 15.0, 16: 20.0},
+                       "draft_ms": {1: 3.0, 8: 2.0, 16: 4.0}})
+    assert [bumpy.verify_ms(n) for n in (1, 2, 4, 8, 16)] == [12.0, 15.0, 15.0, 15.0, 20.0]
+    assert bumpy.verify_ms(3) == pytest.approx(15.0) and bumpy.draft_ms(1) == 2.0
+    assert bumpy.costs["verify_ms"][2] == 30.0  # the measurement itself is kept as it was
 
 
 def hand_tree():
@@ -111,3 +120,36 @@ def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():
     cheap = AdaptiveBudget(curve(per_node_ms=0.0, base_ms=10.0, draft_ms=0.5))
     cheap.choose(build_tree(torch.zeros(15, 30).index_fill_(1, torch.tensor([0]), 5.0).log_softmax(-1), 5, 64, 7))
     assert cheap.draft_rate > cheap.plain_rate() and all(cheap.should_draft() for _ in range(10))
+
+
+def chain_tree(rates):
+    """A chain whose node d is accepted with P = prod(rates[:d]) (scores: cumulative log rates)."""
+    scores = [0.0] + list(itertools.accumulate(math.log(r) for r in rates))
+    n = len(scores)
+    return DraftTree(list(range(5, 5 + n)), list(range(-1, n - 1)), list(range(n)), scores)
+
+
+@pytest.mark.parametrize("per_node_ms", [0.0, 0.5, 3.0, 20.0])
+def test_chain_choice_is_the_brute_force_argmax_of_tokens_per_ms(per_node_ms):
+    ab = AdaptiveBudget(curve(per_node_ms=per_node_ms, base_ms=10.0, draft_ms=8.0))
+    ab.overhead_ms = 1.5
+    rates = [0.9, 0.8, 0.95, 0.3, 0.9, 0.9]
+    n, rate = ab.chain_choice(chain_tree(rates))
+    # brute force: E[tokens | n] = 1 + sum_d prod(rates[:d]); cost = verify(n) + overhead, no draft
+    value = [(1 + sum(math.prod(rates[:d]) for d in range(1, k + 1)))
+             / ((10.0 if k == 0 else 10.0 + per_node_ms * k) + 1.5) for k in range(len(rates) + 1)]
+    assert n == max(range(len(value)), key=value.__getitem__) and rate == pytest.approx(value[n])
+    if per_node_ms >= 20.0:
+        assert n == 0 and rate == pytest.approx(ab.plain_rate())  # nothing pays: a plain step
+
+
+def test_a_paying_lookup_chain_replaces_drafting_but_exploration_goes_on():
+    ab = AdaptiveBudget(curve(per_node_ms=0.5, base_ms=10.0, draft_ms=2.0), explore_every=4)
+    lp = torch.full((15, 30), math.log(0.3 / 29))
+    lp[:, 0] = math.log(0.7)
+    ab.choose(build_tree(lp, 5, 64, 7))  # drafting pays against a plain step ...
+    assert ab.draft_rate > ab.plain_rate() and ab.should_draft()
+    _, chain_rate = ab.chain_choice(chain_tree([0.95] * 10))
+    assert chain_rate > ab.draft_rate  # ... but a sure lookup chain without the draft pays more
+    assert [ab.should_draft(chain_rate) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
+    assert ab.should_draft(0.5 * ab.draft_rate)  # a weak chain does not stop drafting

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import jetflow
+from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.lookup_drafter import lookup_match
 from jetflow.decoding.mixed_drafter import LookupCalibration, MixedDrafter, MixedProposal
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
@@ -93,8 +95,8 @@ def test_lookup_match_reports_the_match_length():
 def test_calibration_counts_like_brute_force():
     rng = random.Random(0)
     cal = LookupCalibration(max_ngram=3, max_depth=10, prior=2.0)
-    hits = np.full((4, 11), 1.0)
-    trials = np.full((4, 11), 2.0)
+    hits = np.zeros((4, 11))
+    trials = np.zeros((4, 11))
     for _ in range(300):
         n, verified = rng.randint(1, 3), rng.randint(0, 10)
         accepted = rng.randint(0, verified)
@@ -105,7 +107,12 @@ def test_calibration_counts_like_brute_force():
                 hits[n, d] += d <= accepted
     np.testing.assert_array_equal(cal.trials, trials)
     np.testing.assert_array_equal(cal.hits, hits)
-    assert np.all(cal.rates(2, 10) == hits[2, 1:] / trials[2, 1:])
+    expected, previous = [], 0.5  # each depth's counts shrunk towards the depth above (2 pseudo-trials)
+    for d in range(1, 11):
+        previous = (hits[2, d] + 2.0 * previous) / (trials[2, d] + 2.0)
+        expected.append(previous)
+    np.testing.assert_allclose(cal.rates(2, 10), expected)
+    assert LookupCalibration().rates(1, 4).tolist() == [0.5] * 4  # no evidence: one half everywhere
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,24 @@ def test_greedy_with_lookup_equals_autoregressive(target, budget, tmp_path):
     for prompt in ([11, 12, 13, 14] * 5, [7, 8, 9]):
         ar = jetflow.generate(target, prompt, max_new_tokens=48)
         assert jf.generate(prompt, max_new_tokens=48, budget=budget).token_ids == ar.token_ids
+
+
+def test_auto_takes_lookup_only_rounds_when_the_head_is_dear_and_stays_lossless(target):
+    """A head forward priced far above a verify: after its first draft, rounds verify the lookup
+    chain alone (no head forward) whenever one matches; outputs stay the target's own."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
+    jf = jetflow.JetFlow(target, head, lookup=True, budget="auto")
+    sizes = [1, 4, 16, 64]
+    jf._adaptive = AdaptiveBudget(CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + 0.1 * n for n in sizes},
+                                             "draft_ms": {n: 50.0 for n in sizes}}))
+    prompt = [11, 12, 13, 14] * 5
+    spec = jf.generate(prompt, max_new_tokens=48)
+    assert spec.token_ids == jetflow.generate(target, prompt, max_new_tokens=48).token_ids
+    kinds = spec.stats["round_kinds"]
+    assert kinds["lookup"] >= 5 and sum(kinds.values()) == spec.stats["rounds"]
+    sampled = jf.generate(prompt, max_new_tokens=32, temperature=0.8, seed=3)
+    assert sampled.token_ids == jetflow.generate(target, prompt, max_new_tokens=32, temperature=0.8, seed=3).token_ids
 
 
 class _Primary:
@@ -159,7 +184,7 @@ def test_observe_counts_how_far_the_target_followed_the_chain():
     trials, hits = drafter.calibration.trials - before[0], drafter.calibration.hits - before[1]
     assert trials[3].tolist() == [0, 1, 1, 1] + [0] * 7  # depths 1-3 were tried (3: after 2 accepted)
     assert hits[3].tolist() == [0, 1, 1, 0] + [0] * 7
-    assert trials.sum() == 3 and drafter.calibration.rates(3, 2).tolist() == [2 / 3, 2 / 3]
+    assert trials.sum() == 3 and drafter.calibration.rates(3, 3) == pytest.approx([2 / 3, 7 / 9, 14 / 27])
 
 
 @pytest.mark.real

@@ -19,6 +19,11 @@ dear), rounds skip the draft and verify the root alone -- plain decoding -- exce
 round after ``explore_every`` plain ones, which drafts again to keep the estimate current; while
 exploring keeps finding that drafting does not pay, the gap doubles (up to ``max_explore_every``),
 so a machine where it never pays (llama.cpp on a 2-core CPU) decodes almost plainly.
+
+A drafter with prompt lookup also offers a third kind of round: its lookup chain alone, verified
+without a head forward (``chain_choice``). Its tokens are priced by the lookup's own calibrated
+acceptance rates, and the round is taken whenever it is expected to beat both a plain step and a
+drafted round; on copy-heavy requests that is most rounds, and the head's draft cost is saved.
 """
 
 from __future__ import annotations
@@ -57,9 +62,26 @@ class AdaptiveBudget:
         """Tokens per ms of a round that verifies the root alone (no draft forward)."""
         return 1.0 / (self.costs.c1_ms + self.overhead_ms)
 
-    def should_draft(self) -> bool:
-        """False when drafting is expected to be slower than a plain step (see the module doc)."""
-        pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
+    def verify_ms(self, n: int) -> float:
+        """A round's measured cost when it verifies n draft nodes and drafts nothing."""
+        return (self.costs.c1_ms if n == 0 else self.costs.verify_ms(n)) + self.overhead_ms
+
+    def chain_choice(self, tree: DraftTree) -> tuple[int, float]:
+        """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
+        draft forward (a lookup chain): the number of its nodes to verify, and that round's expected
+        tokens per ms."""
+        expected, best, best_rate = 1.0, 0, self.plain_rate()
+        for n in range(1, min(len(tree) - 1, self.max_budget) + 1):
+            expected += math.exp(tree.scores[n])  # a chain: node n is on the path with P = exp(score)
+            rate = expected / self.verify_ms(n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best, best_rate
+
+    def should_draft(self, alternative_rate: float = 0.0) -> bool:
+        """False when drafting is expected to be slower than a plain step, or than another round
+        without a draft forward that yields ``alternative_rate`` tokens per ms (see the module doc)."""
+        pays = self.draft_rate is None or self.draft_rate >= max(self.plain_rate(), alternative_rate)
         if pays:
             self._plain_rounds, self._explore_gap = 0, self.explore_every
             return True

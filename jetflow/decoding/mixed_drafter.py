@@ -23,14 +23,23 @@ from jetflow.tree.build import DraftTree
 
 
 class LookupCalibration:
-    """P(target accepts the lookup token at depth d | it accepted the one before), per match length."""
+    """P(target accepts the lookup token at depth d | it accepted the one before), per match length.
+
+    Counts are shrunk towards the previous depth's rate (``prior`` pseudo-trials; depth 1 towards
+    one half), not towards a constant: deep depths are tried rarely, and once the target follows a
+    copy it tends to go on following it, so an unseen depth is best guessed from the one above it."""
 
     def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_DRAFT, prior: float = 2.0):
-        self.hits = np.full((max_ngram + 1, max_depth + 1), prior / 2)
-        self.trials = np.full((max_ngram + 1, max_depth + 1), prior)
+        self.prior = prior
+        self.hits = np.zeros((max_ngram + 1, max_depth + 1))
+        self.trials = np.zeros((max_ngram + 1, max_depth + 1))
 
     def rates(self, ngram: int, depth: int) -> np.ndarray:
-        return self.hits[ngram, 1:depth + 1] / self.trials[ngram, 1:depth + 1]
+        out, previous = np.empty(depth), 0.5
+        for d in range(1, depth + 1):
+            previous = (self.hits[ngram, d] + self.prior * previous) / (self.trials[ngram, d] + self.prior)
+            out[d - 1] = previous
+        return out
 
     def observe(self, ngram: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
@@ -41,13 +50,14 @@ class LookupCalibration:
 
 class MixedProposal:
     def __init__(self, primary, root: int, chain: list[int], chain_q: np.ndarray):
-        """``chain_q[d-1]``: estimated P(chain token d accepted | token d-1 accepted)."""
+        """``chain_q[d-1]``: estimated P(chain token d accepted | token d-1 accepted). ``primary``:
+        the head's proposal, or None for the lookup chain alone (a round without a head forward)."""
         self.primary, self.root, self.chain = primary, root, chain
         self.chain_logq = np.log(np.clip(chain_q, 1e-9, 1.0)).tolist()
 
     def tree(self, budget: int) -> DraftTree:
         """``budget`` nodes (fewer if both run out), parents before children, taken best first."""
-        base = self.primary.tree(budget)
+        base = self.primary.tree(budget) if self.primary is not None else DraftTree.root_only(self.root)
         if not self.chain:
             return base
         tree = DraftTree.root_only(self.root)
@@ -96,11 +106,21 @@ class MixedDrafter:
     def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None,
                 primary=None) -> MixedProposal:
         """``primary``: the head's proposal when it was already made (batched drafting)."""
+        if primary is None:
+            primary = self.primary.propose(anchor, position, room, width, max_nodes)
+        return self._with_lookup(anchor, room, primary)
+
+    def propose_lookup(self, anchor: int, room: int) -> MixedProposal | None:
+        """The lookup chain alone, no head forward (None without a match). Its tree's scores are the
+        calibrated log-probabilities of each chain token being accepted, which is what lets a budget
+        weigh a round of it against a drafted round (decoding/budget.py, ``chain_choice``)."""
+        proposal = self._with_lookup(anchor, room, None)
+        return proposal if proposal.chain else None
+
+    def _with_lookup(self, anchor: int, room: int, primary) -> MixedProposal:
         history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
         ngram, chain = lookup_match(history, self.max_ngram, min(self.max_draft, room))
         self._last = (ngram, chain) if chain else None
-        if primary is None:
-            primary = self.primary.propose(anchor, position, room, width, max_nodes)
         return MixedProposal(primary, int(anchor), chain, self.calibration.rates(ngram, len(chain)))
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:

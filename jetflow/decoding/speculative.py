@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from jetflow.decoding.acceptance import accept_path
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.drafter import Drafter
+from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
@@ -49,9 +50,14 @@ def speculative_stream(
             output.finish("length")
             break
         other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
-        if budget == 0 or adaptive is not None and not adaptive.should_draft():
-            tree = DraftTree.root_only(root)  # drafting does not pay now: a plain decoding step
-        else:
+        tree = None
+        if budget == 0:
+            tree = DraftTree.root_only(root)
+            stats.round_kinds["plain"] += 1
+        elif adaptive is not None:
+            tree = _round_without_draft(adaptive, drafter, root, room, stats)
+        if tree is None:
+            stats.round_kinds["drafted"] += 1
             nodes = budget if adaptive is None else adaptive.draft_nodes()
             with stats.timed("draft"):
                 proposal = drafter.propose(root, target.past_len, room, width, max_nodes=nodes)
@@ -83,3 +89,19 @@ def speculative_stream(
                                        method="jetflow",
                                        stats={"budget": "auto" if adaptive else budget, "width": width,
                                               **stats.to_dict()})
+
+
+def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, room: int,
+                         stats: SpeculativeStats) -> DraftTree | None:
+    """The round's tree when a head forward is not expected to pay: the lookup chain alone (it costs
+    no forward) when it beats a plain step, else the root alone; None when drafting pays or explores."""
+    chain, nodes, rate = None, 0, 0.0
+    if isinstance(drafter, MixedDrafter):
+        with stats.timed("draft"):
+            chain = drafter.propose_lookup(root, room)
+        if chain is not None:
+            nodes, rate = adaptive.chain_choice(chain.tree(drafter.max_draft))
+    if adaptive.should_draft(rate):
+        return None
+    stats.round_kinds["lookup" if nodes else "plain"] += 1
+    return chain.tree(nodes) if nodes else DraftTree.root_only(root)

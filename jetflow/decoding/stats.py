@@ -15,6 +15,9 @@ class SpeculativeStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per round (bonus included)
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round (root excluded)
     seconds: dict = field(default_factory=lambda: dict.fromkeys(("draft", "tree", "verify", "accept", "commit"), 0.0))
+    # rounds by what was verified: "drafted" (a head's tree), "lookup" (the lookup chain alone, no
+    # head forward) or "plain" (the root alone)
+    round_kinds: Counter = field(default_factory=Counter)
     device: torch.device | None = None
 
     @contextmanager
@@ -50,4 +53,5 @@ class SpeculativeStats:
             "per_depth_acceptance": self.per_depth_acceptance(),
             "mean_tree_size": sum(self.tree_sizes) / max(1, len(self.tree_sizes)),
             "time_split": dict(self.seconds),
+            "round_kinds": dict(self.round_kinds),
         }

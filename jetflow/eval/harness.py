@@ -77,6 +77,7 @@ def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt
                 "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
                 "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
                 "time_split": stats.get("time_split"), "mean_tree_size": stats.get("mean_tree_size"),
+                "round_kinds": stats.get("round_kinds"),
                 "finish_reason": result.finish_reason,
                 "token_ids": result.token_ids, "category": prompt.category,
             })
