@@ -164,6 +164,27 @@ def test_batched_decoding_with_the_load_budget_is_lossless(target, tmp_path):
         assert r.result.stats["budget"] == "auto"
 
 
+def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target):
+    """A head priced far above a verify: the lone request of a batch verifies its lookup chain
+    without a head forward, as the single-stream loop does, and its output stays the target's."""
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
+    sizes = [1, 4, 16, 64]
+    costs = CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + 0.1 * n for n in sizes},
+                       "draft_ms": {n: 50.0 for n in sizes}})
+    decoder = BatchDecoder(target, head, lookup=True, load_budget=LoadBudget(costs))
+    prompt = [11, 12, 13, 14] * 5
+    r = decoder.add(request(target, prompt, None, max_new_tokens=48))
+    while decoder.active:
+        decoder.step()
+    assert r.result.token_ids == jetflow.generate(target, prompt, max_new_tokens=48).token_ids
+    kinds = r.result.stats["round_kinds"]
+    assert kinds["lookup"] >= 5 and sum(kinds.values()) == r.result.stats["rounds"]
+
+
 @pytest.mark.real
 def test_batched_decoding_equals_solo_on_smollm2(smollm2):
     """The shipped drafter, three GSM8K-style requests of different lengths, one joining late."""

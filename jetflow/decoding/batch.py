@@ -148,12 +148,18 @@ class BatchDecoder:
             return done
         trees, shared = {}, []  # shared: requests sized by the load budget
         auto = [r for r in self.active if r.budget is None and r._drafter is not None]
-        drafting = bool(auto) and self.load_budget.should_draft(len(self.active))
         all_auto, t_draft = len(auto) == len(self.active), time.perf_counter()
+        chain, chain_rate = None, 0.0  # a lone request's lookup chain: a round without a head forward
+        if all_auto and len(auto) == 1:
+            r = auto[0]
+            chain, chain_rate = self.load_budget.single.lookup_chain(
+                r._drafter, r.root, self.batch.max_context - self.batch.length(r.id) - 1)
+        drafting = bool(auto) and self.load_budget.should_draft(len(self.active), chain_rate)
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:
-                trees[r.id] = DraftTree.root_only(r.root)
+                trees[r.id] = chain if chain is not None else DraftTree.root_only(r.root)
+            r.stats.round_kinds["drafted" if r in drafts else "plain" if chain is None else "lookup"] += 1
         if drafts:  # one head forward for all of them
             nodes = [r.budget if r.budget is not None else self.load_budget.draft_nodes(len(self.active))
                      for r in drafts]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from jetflow.decoding.costs import CostCurve
+from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.tree.build import DraftTree
 
 
@@ -77,6 +78,18 @@ class AdaptiveBudget:
             if rate > best_rate:
                 best, best_rate = n, rate
         return best, best_rate
+
+    def lookup_chain(self, drafter, root: int, room: int) -> tuple[DraftTree | None, float]:
+        """The lookup chain that a drafter with prompt lookup offers this round without a head
+        forward, cut to the size that pays best, and its expected tokens per ms; (None, 0.0) when
+        there is none, or when not even one node of it beats a plain step."""
+        if not isinstance(drafter, MixedDrafter):
+            return None, 0.0
+        chain = drafter.propose_lookup(root, room)
+        if chain is None:
+            return None, 0.0
+        nodes, rate = self.chain_choice(chain.tree(drafter.max_draft))
+        return (chain.tree(nodes), rate) if nodes else (None, 0.0)
 
     def should_draft(self, alternative_rate: float = 0.0) -> bool:
         """False when drafting is expected to be slower than a plain step, or than another round

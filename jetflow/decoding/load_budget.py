@@ -63,9 +63,10 @@ class LoadBudget:
             return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
-    def should_draft(self, batch: int) -> bool:
+    def should_draft(self, batch: int, alternative_rate: float = 0.0) -> bool:
+        """``alternative_rate``: a lone request's lookup chain (see AdaptiveBudget.should_draft)."""
         if batch == 1:
-            return self.single.should_draft()
+            return self.single.should_draft(alternative_rate)
         b = self.bucket(batch)
         drafted, plain = self.measured.get((b, True)), self.measured.get((b, False))
         if drafted is not None and plain is not None:  # both ways measured at this batch size

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from jetflow.decoding.acceptance import accept_path
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.drafter import Drafter
-from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.decoding.output import OutputStream
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.sampling import SamplingParams, next_token
@@ -95,13 +94,9 @@ def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, 
                          stats: SpeculativeStats) -> DraftTree | None:
     """The round's tree when a head forward is not expected to pay: the lookup chain alone (it costs
     no forward) when it beats a plain step, else the root alone; None when drafting pays or explores."""
-    chain, nodes, rate = None, 0, 0.0
-    if isinstance(drafter, MixedDrafter):
-        with stats.timed("draft"):
-            chain = drafter.propose_lookup(root, room)
-        if chain is not None:
-            nodes, rate = adaptive.chain_choice(chain.tree(drafter.max_draft))
+    with stats.timed("draft"):
+        chain, rate = adaptive.lookup_chain(drafter, root, room)
     if adaptive.should_draft(rate):
         return None
-    stats.round_kinds["lookup" if nodes else "plain"] += 1
-    return chain.tree(nodes) if nodes else DraftTree.root_only(root)
+    stats.round_kinds["plain" if chain is None else "lookup"] += 1
+    return DraftTree.root_only(root) if chain is None else chain
