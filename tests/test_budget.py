@@ -153,3 +153,22 @@ def test_a_paying_lookup_chain_replaces_drafting_but_exploration_goes_on():
     assert chain_rate > ab.draft_rate  # ... but a sure lookup chain without the draft pays more
     assert [ab.should_draft(chain_rate) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
     assert ab.should_draft(0.5 * ab.draft_rate)  # a weak chain does not stop drafting
+
+
+def test_measured_verify_times_rescale_the_cached_curve():
+    """The cached curve says a 4-node tree costs 1.4 plain steps; measured rounds say plain steps
+    now take 2x and trees 1.5x as long: the budget prices both as measured, and each size of tree
+    by the curve times the trees' ratio (pooled over sizes)."""
+    ab = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0))
+    assert (ab.verify_cost(0), ab.verify_cost(4), ab.verify_cost(8)) == (10.0, 14.0, 18.0)
+    for _ in range(30):
+        ab.observe(DraftTree.root_only(5), [0], verify_ms=20.0)
+    assert ab.verify_cost(0) == pytest.approx(20.0) and ab.verify_cost(8) == pytest.approx(18.0)
+    assert ab.plain_rate() == pytest.approx(1 / 20.0)
+    chain = chain_tree([0.5] * 4)
+    for ms in [21.0] * 30:
+        ab.observe(chain, [0], verify_ms=ms)
+    assert ab.verify_cost(4) == pytest.approx(21.0) and ab.verify_cost(8) == pytest.approx(27.0)
+    assert ab.verify_cost(0) == pytest.approx(20.0)
+    ab.observe(chain, [0], verify_ms=210.0)  # one disturbed measurement moves the ratio by 1/20 of it
+    assert ab.verify_cost(4) == pytest.approx(21.0 + (210.0 - 21.0) / 20)

@@ -47,7 +47,15 @@ class AdaptiveBudget:
         self.trials = [[prior_trials] * bins for _ in range(max_depth + 1)]
         self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
         self._rounds = 0
-        self._cost = [costs.round_ms(n) for n in range(max_budget + 1)]
+        # The cost curve is measured once per machine and cached, but a machine's speed, and the
+        # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.64 when
+        # cached, 1.35 later the same day). So verify times are measured as rounds run, and the
+        # curve is scaled by the running ratio of measured to predicted time, one ratio for plain
+        # steps and one for trees (pooled over all sizes: a size judged dear by one slow
+        # measurement would otherwise never be tried, and so never corrected).
+        self._curve = [costs.c1_ms] + [costs.verify_ms(n) for n in range(1, max_budget + 1)]
+        self._draft = [costs.draft_ms(n) for n in range(max_budget + 1)]
+        self._scale, self._scale_count = [1.0, 1.0], [0, 0]  # [plain steps, trees]
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
@@ -61,11 +69,18 @@ class AdaptiveBudget:
 
     def plain_rate(self) -> float:
         """Tokens per ms of a round that verifies the root alone (no draft forward)."""
-        return 1.0 / (self.costs.c1_ms + self.overhead_ms)
+        return 1.0 / (self.verify_cost(0) + self.overhead_ms)
 
-    def verify_ms(self, n: int) -> float:
-        """A round's measured cost when it verifies n draft nodes and drafts nothing."""
-        return (self.costs.c1_ms if n == 0 else self.costs.verify_ms(n)) + self.overhead_ms
+    def verify_cost(self, n: int) -> float:
+        """Milliseconds of a verify of n draft nodes (plus the root): measured, else predicted."""
+        return self._curve[min(n, self.max_budget)] * self._scale[n > 0]
+
+    def _observe_verify(self, nodes: int, ms: float) -> None:
+        k = int(nodes > 0)
+        self._scale_count[k] += 1
+        ratio = ms / self._curve[min(nodes, self.max_budget)]
+        self._scale[k] += (ratio - self._scale[k]) / min(self._scale_count[k], 20)  # mean, then running
+
 
     def chain_choice(self, tree: DraftTree) -> tuple[int, float]:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
@@ -74,7 +89,7 @@ class AdaptiveBudget:
         expected, best, best_rate = 1.0, 0, self.plain_rate()
         for n in range(1, min(len(tree) - 1, self.max_budget) + 1):
             expected += math.exp(tree.scores[n])  # a chain: node n is on the path with P = exp(score)
-            rate = expected / self.verify_ms(n)
+            rate = expected / (self.verify_cost(n) + self.overhead_ms)
             if rate > best_rate:
                 best, best_rate = n, rate
         return best, best_rate
@@ -129,14 +144,17 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / (self._cost[n] + self.overhead_ms))
+        cost = [self._draft[n] + self.verify_cost(n) + self.overhead_ms for n in range(top + 1)]
+        best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))
-        rate = expected[best] / (self._cost[best] + self.overhead_ms)
+        rate = expected[best] / cost[best]
         self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
         return best
 
-    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None) -> None:
-        """Count, for every verified node whose parent was accepted, whether it was accepted too."""
+    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
+                verify_ms: float | None = None) -> None:
+        """Count, for every verified node whose parent was accepted, whether it was accepted too;
+        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time."""
         accepted = set(path)
         for node in range(1, len(tree)):
             if tree.parents[node] in accepted:
@@ -146,3 +164,5 @@ class AdaptiveBudget:
         if other_ms is not None:
             self._rounds += 1
             self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)
+        if verify_ms is not None:
+            self._observe_verify(len(tree) - 1, verify_ms)

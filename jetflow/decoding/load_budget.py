@@ -114,7 +114,8 @@ class LoadBudget:
             self.draft_rate[b] = 0.9 * best_rate
         return best
 
-    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None) -> None:
-        """A shared request's verified tree and accepted path; ``other_ms`` (a lone request's round
-        outside draft and verify) feeds the single-stream policy's overhead estimate."""
-        self.single.observe(tree, path, other_ms)
+    def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
+                verify_ms: float | None = None) -> None:
+        """A shared request's verified tree and accepted path; ``other_ms`` and ``verify_ms`` (a lone
+        request's round outside draft and verify, and its verify) feed the single-stream policy."""
+        self.single.observe(tree, path, other_ms, verify_ms)

@@ -64,6 +64,7 @@ def speculative_stream(
                 tree = proposal.tree(nodes)
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
+        verify_before = stats.seconds["verify"]
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)
         with stats.timed("accept"):
@@ -75,7 +76,7 @@ def speculative_stream(
             drafter.extend(out.hidden[path])
         if adaptive is not None:
             adaptive.observe(tree, path, (stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
-                                          - other_before) * 1e3)
+                                          - other_before) * 1e3, (stats.seconds["verify"] - verify_before) * 1e3)
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)
