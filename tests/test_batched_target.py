@@ -289,4 +289,4 @@ def test_load_budget_trusts_measured_steps_over_the_cost_curve():
         policy.observe_step(8, drafted=True, tokens=40, ms=50.0)  # drafted steps now measure 0.8 token/ms
     assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == policy.explore_every - 1
     policy.observe_step(1, drafted=True, tokens=1, ms=1.0)  # a lone request is the single-stream policy's
-    assert (1, True) not in policy.measured
+    assert 1 not in policy.ways

@@ -172,3 +172,24 @@ def test_measured_verify_times_rescale_the_cached_curve():
     assert ab.verify_cost(0) == pytest.approx(20.0)
     ab.observe(chain, [0], verify_ms=210.0)  # one disturbed measurement moves the ratio by 1/20 of it
     assert ab.verify_cost(4) == pytest.approx(21.0 + (210.0 - 21.0) / 20)
+
+
+def test_with_a_paying_chain_measured_rounds_decide_between_drafting_and_the_chain_alone():
+    ab = AdaptiveBudget(curve(per_node_ms=0.5, base_ms=10.0, draft_ms=2.0), explore_every=4)
+    lp = torch.full((15, 30), math.log(0.3 / 29))
+    lp[:, 0] = math.log(0.7)
+    tree = build_tree(lp, 5, 64, 7)
+    ab.choose(tree)
+    chain_rate = 0.9 * ab.draft_rate  # the chain pays against a plain step, a drafted round more (model)
+    assert chain_rate > ab.plain_rate()
+    assert ab.should_draft(chain_rate)  # nothing measured yet: the model decides (draft)
+    ab.observe(tree, [0], round_ms=20.0)  # measured: a drafted round gave 1 token in 20 ms
+    assert [ab.should_draft(chain_rate) for _ in range(3)] == [True, True, False]  # the 4th round: the chain
+    chain = chain_tree([0.9] * 4)
+    ab.observe(chain, [0, 1, 2, 3, 4], round_ms=10.0)  # ... which gave 5 tokens in 10 ms
+    assert ab.chain_ways.rates == {True: pytest.approx(0.05), False: pytest.approx(0.5)}
+    # now the chain alone is preferred, with an exploring draft after 3 rounds, then after 7
+    assert [ab.should_draft(chain_rate) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
+    ab.observe(tree, [0], round_ms=20.0)  # (the exploring draft measured as slow again)
+    assert ab.chain_ways.rates[True] == pytest.approx(0.05)
+    assert ab.should_draft(0.0)  # without a paying chain the model's choice stands: drafting pays

@@ -199,9 +199,12 @@ class BatchDecoder:
                 r._drafter.observe(tree, paths[r.id])
             lone = len(trees) == 1 and r.budget is None and r._drafter is not None
             if r.id in shared_ids or lone:  # a lone request's round outside draft and verify: tree, acceptance
-                other = (t0 - t_tree) + (time.perf_counter() - t_verified) if lone else None
-                self.load_budget.observe(tree, paths[r.id], None if other is None else other * 1e3,
-                                         verify_s * 1e3 if lone else None)
+                now = time.perf_counter()
+                if lone:
+                    self.load_budget.observe(tree, paths[r.id], ((t0 - t_tree) + (now - t_verified)) * 1e3,
+                                             verify_s * 1e3, (now - t_draft) * 1e3)
+                else:
+                    self.load_budget.observe(tree, paths[r.id])
         self.batch.commit(paths)
         for r in list(self.active):
             tree, path = trees[r.id], paths[r.id]

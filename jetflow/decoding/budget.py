@@ -22,8 +22,10 @@ so a machine where it never pays (llama.cpp on a 2-core CPU) decodes almost plai
 
 A drafter with prompt lookup also offers a third kind of round: its lookup chain alone, verified
 without a head forward (``chain_choice``). Its tokens are priced by the lookup's own calibrated
-acceptance rates, and the round is taken whenever it is expected to beat both a plain step and a
-drafted round; on copy-heavy requests that is most rounds, and the head's draft cost is saved.
+acceptance rates. When it beats a plain step, the choice between it and a drafted round is made
+by the model at first and, once both kinds of round have been measured with a paying chain on
+offer, by their measured tokens per ms (the other kind still tried now and then). On copy-heavy
+requests most rounds then verify the chain alone and save the head's forward.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 
 from jetflow.decoding.costs import CostCurve
+from jetflow.decoding.explore import Explorer
 from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.tree.build import DraftTree
 
@@ -59,6 +62,12 @@ class AdaptiveBudget:
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
+        # Rounds where a paying lookup chain is on offer: draft (the head's tree with the chain merged
+        # in) or verify the chain alone? The model's value of a drafted round counts the chain's
+        # tokens too and cannot say well whether the head adds enough to pay for its forward, so the
+        # two ways' measured tokens per ms decide once both were seen (decoding/explore.py).
+        self.chain_ways = Explorer(explore_every, max_explore_every)
+        self._round_way: bool | None = None  # this round drafted (True) or not, when a chain paid
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
 
@@ -109,7 +118,14 @@ class AdaptiveBudget:
     def should_draft(self, alternative_rate: float = 0.0) -> bool:
         """False when drafting is expected to be slower than a plain step, or than another round
         without a draft forward that yields ``alternative_rate`` tokens per ms (see the module doc)."""
-        pays = self.draft_rate is None or self.draft_rate >= max(self.plain_rate(), alternative_rate)
+        if alternative_rate > self.plain_rate():  # a lookup chain pays: draft, or verify it alone
+            prefer = self.chain_ways.measured_preference()
+            if prefer is None:
+                prefer = self.draft_rate is None or self.draft_rate >= alternative_rate
+            self._round_way = self.chain_ways.decide(prefer)
+            return self._round_way
+        self._round_way = None
+        pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
         if pays:
             self._plain_rounds, self._explore_gap = 0, self.explore_every
             return True
@@ -152,9 +168,10 @@ class AdaptiveBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None) -> None:
+                verify_ms: float | None = None, round_ms: float | None = None) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too;
-        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time."""
+        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
+        ``round_ms``: all of it (a round that had a paying lookup chain is measured by it)."""
         accepted = set(path)
         for node in range(1, len(tree)):
             if tree.parents[node] in accepted:
@@ -166,3 +183,6 @@ class AdaptiveBudget:
             self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)
         if verify_ms is not None:
             self._observe_verify(len(tree) - 1, verify_ms)
+        if self._round_way is not None and round_ms:
+            self.chain_ways.observe(self._round_way, len(path) / round_ms)  # tokens: accepted + bonus
+        self._round_way = None

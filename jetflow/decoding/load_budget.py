@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve
+from jetflow.decoding.explore import Explorer
 from jetflow.tree.build import DraftTree
 
 
@@ -39,11 +40,8 @@ class LoadBudget:
         # A lone request's policy; its per-(depth, q) acceptance counts serve every batch size.
         self.single = self.acceptance = AdaptiveBudget(costs)
         self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
-        self.measured: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> running measured tokens/ms
+        self.ways: dict[int, Explorer] = {}  # bucket -> measured drafted / plain steps (drafted: True)
         self.recent_cap = max_budget
-        self._since: dict[int, int] = {}  # steps since the other way was last tried
-        self._gap: dict[int, int] = {}
-        self._prefer: dict[int, bool] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -68,28 +66,23 @@ class LoadBudget:
         if batch == 1:
             return self.single.should_draft(alternative_rate)
         b = self.bucket(batch)
-        drafted, plain = self.measured.get((b, True)), self.measured.get((b, False))
-        if drafted is not None and plain is not None:  # both ways measured at this batch size
-            prefer = drafted >= plain
-        else:
+        way = self._way(b)
+        prefer = way.measured_preference()  # both ways measured at this batch size: they decide
+        if prefer is None:
             rate = self.draft_rate.get(b)
             prefer = rate is None or rate >= self.plain_rate(batch)
-        if prefer != self._prefer.get(b, True):  # the preference changed: explore at the base rate again
-            self._prefer[b], self._since[b], self._gap[b] = prefer, 0, self.explore_every
-        self._since[b] = self._since.get(b, 0) + 1
-        if self._since[b] >= self._gap.get(b, self.explore_every):  # try the other way now and then,
-            self._since[b] = 0  # less and less often while it keeps losing
-            self._gap[b] = min(2 * self._gap.get(b, self.explore_every), self.max_explore_every)
-            return not prefer
-        return prefer
+        return way.decide(prefer)
+
+    def _way(self, bucket: int) -> Explorer:
+        if bucket not in self.ways:
+            self.ways[bucket] = Explorer(self.explore_every, self.max_explore_every)
+        return self.ways[bucket]
 
     def observe_step(self, batch: int, drafted: bool, tokens: int, ms: float) -> None:
         """A batched step's measured outcome: ``tokens`` emitted over all requests in ``ms``."""
         if batch < 2 or ms <= 0:
             return
-        key = (self.bucket(batch), drafted)
-        rate, old = tokens / ms, self.measured.get(key)
-        self.measured[key] = rate if old is None else 0.7 * old + 0.3 * rate
+        self._way(self.bucket(batch)).observe(drafted, tokens / ms)
 
     def choose(self, trees: list[DraftTree], draft_ms: float) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only)."""
@@ -115,7 +108,7 @@ class LoadBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None) -> None:
-        """A shared request's verified tree and accepted path; ``other_ms`` and ``verify_ms`` (a lone
-        request's round outside draft and verify, and its verify) feed the single-stream policy."""
-        self.single.observe(tree, path, other_ms, verify_ms)
+                verify_ms: float | None = None, round_ms: float | None = None) -> None:
+        """A shared request's verified tree and accepted path; the times (a lone request's round
+        outside draft and verify, its verify, all of it) feed the single-stream policy."""
+        self.single.observe(tree, path, other_ms, verify_ms, round_ms)

@@ -48,7 +48,7 @@ def speculative_stream(
         if room < 0:
             output.finish("length")
             break
-        other_before = stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
+        before = dict(stats.seconds)
         tree = None
         if budget == 0:
             tree = DraftTree.root_only(root)
@@ -64,7 +64,6 @@ def speculative_stream(
                 tree = proposal.tree(nodes)
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
-        verify_before = stats.seconds["verify"]
         with stats.timed("verify"):
             out = target.verify(tree.tokens, tree.parents)
         with stats.timed("accept"):
@@ -75,8 +74,9 @@ def speculative_stream(
             target.commit(path)
             drafter.extend(out.hidden[path])
         if adaptive is not None:
-            adaptive.observe(tree, path, (stats.seconds["tree"] + stats.seconds["accept"] + stats.seconds["commit"]
-                                          - other_before) * 1e3, (stats.seconds["verify"] - verify_before) * 1e3)
+            spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
+            adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
+                             verify_ms=spent["verify"], round_ms=sum(spent.values()))
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)

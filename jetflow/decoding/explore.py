@@ -1,0 +1,35 @@
+"""Choosing between two ways to run a round by what they measured, while still trying the other.
+
+Both budgets face the same choice more than once: draft or not (a batch under load), draft or verify
+the lookup chain alone (a single stream). A prediction decides until both ways have been measured
+(tokens per millisecond, running means); then the faster one is preferred, and the other is tried
+again after ``explore_every`` rounds, then after twice as many, and so on up to
+``max_explore_every``, while it keeps losing. A change of preference starts the gap again.
+"""
+
+from __future__ import annotations
+
+
+class Explorer:
+    def __init__(self, explore_every: int = 8, max_explore_every: int = 64):
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
+        self.rates: dict[bool, float] = {}  # way -> running measured tokens per ms
+        self._since, self._gap, self._prefer = 0, explore_every, True
+
+    def observe(self, way: bool, rate: float) -> None:
+        old = self.rates.get(way)
+        self.rates[way] = rate if old is None else 0.7 * old + 0.3 * rate
+
+    def measured_preference(self) -> bool | None:
+        """The faster way once both were measured, else None."""
+        return self.rates[True] >= self.rates[False] if len(self.rates) == 2 else None
+
+    def decide(self, prefer: bool) -> bool:
+        """``prefer``, or now and then the other way."""
+        if prefer != self._prefer:
+            self._prefer, self._since, self._gap = prefer, 0, self.explore_every
+        self._since += 1
+        if self._since >= self._gap:
+            self._since, self._gap = 0, min(2 * self._gap, self.max_explore_every)
+            return not prefer
+        return prefer
