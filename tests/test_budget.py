@@ -8,7 +8,7 @@ import torch
 
 import jetflow
 from jetflow.decoding import costs as costs_mod
-from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.budget import AdaptiveBudget, ChainOffer
 from jetflow.decoding.costs import CostCurve
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
@@ -130,29 +130,70 @@ def chain_tree(rates):
 
 
 @pytest.mark.parametrize("per_node_ms", [0.0, 0.5, 3.0, 20.0])
-def test_chain_choice_is_the_brute_force_argmax_of_tokens_per_ms(per_node_ms):
+def test_chain_offer_is_the_brute_force_argmax_of_tokens_per_ms(per_node_ms):
     ab = AdaptiveBudget(curve(per_node_ms=per_node_ms, base_ms=10.0, draft_ms=8.0))
     ab.overhead_ms = 1.5
     rates = [0.9, 0.8, 0.95, 0.3, 0.9, 0.9]
-    n, rate = ab.chain_choice(chain_tree(rates))
+    chain = chain_tree(rates)
+    offer = ab.chain_offer(chain)
     # brute force: E[tokens | n] = 1 + sum_d prod(rates[:d]); cost = verify(n) + overhead, no draft
     value = [(1 + sum(math.prod(rates[:d]) for d in range(1, k + 1)))
              / ((10.0 if k == 0 else 10.0 + per_node_ms * k) + 1.5) for k in range(len(rates) + 1)]
-    assert n == max(range(len(value)), key=value.__getitem__) and rate == pytest.approx(value[n])
+    best = max(range(len(value)), key=value.__getitem__)
     if per_node_ms >= 20.0:
-        assert n == 0 and rate == pytest.approx(ab.plain_rate())  # nothing pays: a plain step
+        assert best == 0 and offer is None  # nothing pays: a plain step
+    else:
+        assert offer.tree.tokens == chain.tokens[:best + 1] and offer.rate == pytest.approx(value[best])
 
 
-def test_a_paying_lookup_chain_replaces_drafting_but_exploration_goes_on():
+def drafting_head():
     ab = AdaptiveBudget(curve(per_node_ms=0.5, base_ms=10.0, draft_ms=2.0), explore_every=4)
     lp = torch.full((15, 30), math.log(0.3 / 29))
     lp[:, 0] = math.log(0.7)
-    ab.choose(build_tree(lp, 5, 64, 7))  # drafting pays against a plain step ...
+    ab.choose(build_tree(lp, 5, 64, 7))  # drafting pays against a plain step
     assert ab.draft_rate > ab.plain_rate() and ab.should_draft()
-    _, chain_rate = ab.chain_choice(chain_tree([0.95] * 10))
-    assert chain_rate > ab.draft_rate  # ... but a sure lookup chain without the draft pays more
-    assert [ab.should_draft(chain_rate) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
-    assert ab.should_draft(0.5 * ab.draft_rate)  # a weak chain does not stop drafting
+    return ab
+
+
+def test_a_paying_lookup_chain_replaces_drafting_but_exploration_goes_on():
+    ab = drafting_head()
+    offer = ab.chain_offer(chain_tree([0.95] * 10))
+    assert offer.rate > ab.draft_rate  # a sure lookup chain without the draft pays more
+    assert [ab.should_draft(offer) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
+    weak = ChainOffer(chain_tree([0.5]), expected=0.5 * ab.draft_rate * 10.0, cost_ms=10.0)
+    assert ab.should_draft(weak)  # a weaker chain does not stop drafting
+
+
+def merged_round(offer, head_nodes_after_chain: int):
+    """A drafted round's tree: the offered chain, then a head chain under its last node; the target
+    takes all of it."""
+    chain = offer.tree
+    tree = DraftTree(list(chain.tokens), list(chain.parents), list(chain.depths), list(chain.scores))
+    node = len(tree) - 1
+    for k in range(head_nodes_after_chain):
+        node = tree.add(100 + k, node, tree.scores[node] - 1.0)
+    return tree, list(range(len(tree)))
+
+
+@pytest.mark.parametrize("gain", [0, 8])
+def test_the_heads_measured_gain_over_a_paying_chain_decides(gain):
+    """Once drafted rounds with a chain on offer have shown what the head adds beyond the chain
+    (exactly: greedy acceptance is deterministic), that gain prices drafting against the chain."""
+    ab = drafting_head()
+    offer = ab.chain_offer(chain_tree([0.5] * 4))
+    assert offer is not None and offer.rate < ab.draft_rate  # the model would draft
+    assert ab.should_draft(offer)  # the gain not measured yet: the model decides
+    ab.observe(*merged_round(offer, gain))
+    assert ab.head_gain == pytest.approx(gain)  # what the merged tree emitted beyond the chain + bonus
+    pattern = [ab.should_draft(offer) for _ in range(8)]
+    if gain == 0:  # the head adds little: the chain alone, with an exploring draft now and then
+        assert pattern == [False] * 3 + [True] + [False] * 4
+    else:  # 8 more tokens a round are worth the draft and the bigger tree
+        assert pattern[0] and sum(pattern) >= 6
+    assert ab.head_gain == pytest.approx(gain)
+    ab.should_draft()  # a round without a chain on offer does not count as a drafted round with one
+    ab.observe(*merged_round(offer, 3))
+    assert ab.head_gain == pytest.approx(gain)
 
 
 def test_measured_verify_times_rescale_the_cached_curve():
@@ -172,24 +213,3 @@ def test_measured_verify_times_rescale_the_cached_curve():
     assert ab.verify_cost(0) == pytest.approx(20.0)
     ab.observe(chain, [0], verify_ms=210.0)  # one disturbed measurement moves the ratio by 1/20 of it
     assert ab.verify_cost(4) == pytest.approx(21.0 + (210.0 - 21.0) / 20)
-
-
-def test_with_a_paying_chain_measured_rounds_decide_between_drafting_and_the_chain_alone():
-    ab = AdaptiveBudget(curve(per_node_ms=0.5, base_ms=10.0, draft_ms=2.0), explore_every=4)
-    lp = torch.full((15, 30), math.log(0.3 / 29))
-    lp[:, 0] = math.log(0.7)
-    tree = build_tree(lp, 5, 64, 7)
-    ab.choose(tree)
-    chain_rate = 0.9 * ab.draft_rate  # the chain pays against a plain step, a drafted round more (model)
-    assert chain_rate > ab.plain_rate()
-    assert ab.should_draft(chain_rate)  # nothing measured yet: the model decides (draft)
-    ab.observe(tree, [0], round_ms=20.0)  # measured: a drafted round gave 1 token in 20 ms
-    assert [ab.should_draft(chain_rate) for _ in range(3)] == [True, True, False]  # the 4th round: the chain
-    chain = chain_tree([0.9] * 4)
-    ab.observe(chain, [0, 1, 2, 3, 4], round_ms=10.0)  # ... which gave 5 tokens in 10 ms
-    assert ab.chain_ways.rates == {True: pytest.approx(0.05), False: pytest.approx(0.5)}
-    # now the chain alone is preferred, with an exploring draft after 3 rounds, then after 7
-    assert [ab.should_draft(chain_rate) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
-    ab.observe(tree, [0], round_ms=20.0)  # (the exploring draft measured as slow again)
-    assert ab.chain_ways.rates[True] == pytest.approx(0.05)
-    assert ab.should_draft(0.0)  # without a paying chain the model's choice stands: drafting pays

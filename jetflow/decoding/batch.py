@@ -149,16 +149,16 @@ class BatchDecoder:
         trees, shared = {}, []  # shared: requests sized by the load budget
         auto = [r for r in self.active if r.budget is None and r._drafter is not None]
         all_auto, t_draft = len(auto) == len(self.active), time.perf_counter()
-        chain, chain_rate = None, 0.0  # a lone request's lookup chain: a round without a head forward
+        chain = None  # a lone request's paying lookup chain: a round without a head forward
         if all_auto and len(auto) == 1:
             r = auto[0]
-            chain, chain_rate = self.load_budget.single.lookup_chain(
-                r._drafter, r.root, self.batch.max_context - self.batch.length(r.id) - 1)
-        drafting = bool(auto) and self.load_budget.should_draft(len(self.active), chain_rate)
+            chain = self.load_budget.single.lookup_chain(r._drafter, r.root,
+                                                         self.batch.max_context - self.batch.length(r.id) - 1)
+        drafting = bool(auto) and self.load_budget.should_draft(len(self.active), chain)
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:
-                trees[r.id] = chain if chain is not None else DraftTree.root_only(r.root)
+                trees[r.id] = chain.tree if chain is not None else DraftTree.root_only(r.root)
             r.stats.round_kinds["drafted" if r in drafts else "plain" if chain is None else "lookup"] += 1
         if drafts:  # one head forward for all of them
             nodes = [r.budget if r.budget is not None else self.load_budget.draft_nodes(len(self.active))
@@ -198,13 +198,11 @@ class BatchDecoder:
             if r._drafter is not None and len(tree) > 1:
                 r._drafter.observe(tree, paths[r.id])
             lone = len(trees) == 1 and r.budget is None and r._drafter is not None
-            if r.id in shared_ids or lone:  # a lone request's round outside draft and verify: tree, acceptance
-                now = time.perf_counter()
-                if lone:
-                    self.load_budget.observe(tree, paths[r.id], ((t0 - t_tree) + (now - t_verified)) * 1e3,
-                                             verify_s * 1e3, (now - t_draft) * 1e3)
-                else:
-                    self.load_budget.observe(tree, paths[r.id])
+            if lone:  # its round outside draft and verify (tree, acceptance) and its verify, in ms
+                other_s = (t0 - t_tree) + (time.perf_counter() - t_verified)
+                self.load_budget.observe(tree, paths[r.id], other_s * 1e3, verify_s * 1e3)
+            elif r.id in shared_ids:
+                self.load_budget.observe(tree, paths[r.id])
         self.batch.commit(paths)
         for r in list(self.active):
             tree, path = trees[r.id], paths[r.id]

@@ -21,21 +21,35 @@ exploring keeps finding that drafting does not pay, the gap doubles (up to ``max
 so a machine where it never pays (llama.cpp on a 2-core CPU) decodes almost plainly.
 
 A drafter with prompt lookup also offers a third kind of round: its lookup chain alone, verified
-without a head forward (``chain_choice``). Its tokens are priced by the lookup's own calibrated
-acceptance rates. When it beats a plain step, the choice between it and a drafted round is made
-by the model at first and, once both kinds of round have been measured with a paying chain on
-offer, by their measured tokens per ms (the other kind still tried now and then). On copy-heavy
-requests most rounds then verify the chain alone and save the head's forward.
+without a head forward (``chain_offer``). Its tokens are priced by the lookup's own calibrated
+acceptance rates. When it beats a plain step, the choice between it and a drafted round (the head's
+tree with the chain merged in) is made by the model at first; once drafted rounds have shown how
+many tokens the head adds beyond the chain (measured exactly, see ``observe``), that gain, priced
+with the draft and the bigger verify, decides, and the other kind of round is still tried now and
+then. On copy-heavy requests most rounds then verify the chain alone and save the head's forward.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.explore import Explorer
 from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.tree.build import DraftTree
+
+
+@dataclass
+class ChainOffer:
+    """A lookup chain cut to the length that pays best, with its expected tokens and round cost."""
+    tree: DraftTree
+    expected: float
+    cost_ms: float
+
+    @property
+    def rate(self) -> float:
+        return self.expected / self.cost_ms
 
 
 class AdaptiveBudget:
@@ -63,11 +77,15 @@ class AdaptiveBudget:
         self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
         # Rounds where a paying lookup chain is on offer: draft (the head's tree with the chain merged
-        # in) or verify the chain alone? The model's value of a drafted round counts the chain's
-        # tokens too and cannot say well whether the head adds enough to pay for its forward, so the
-        # two ways' measured tokens per ms decide once both were seen (decoding/explore.py).
-        self.chain_ways = Explorer(explore_every, max_explore_every)
-        self._round_way: bool | None = None  # this round drafted (True) or not, when a chain paid
+        # in) or verify the chain alone? What the head adds is measured exactly in drafted rounds:
+        # greedy acceptance is deterministic, so the chain alone would have emitted its prefix that
+        # the target followed plus a bonus token, and the rest of what the round emitted is the
+        # head's gain (timing a round is too noisy here: +-20% on a shared CPU, against a draft of
+        # ~5-10% of a round).
+        self.head_gain: float | None = None  # running mean of that gain, tokens per drafted round
+        self._gains = 0
+        self._chain_explorer = Explorer(explore_every, max_explore_every)
+        self._offer: ChainOffer | None = None  # this round's paying chain, when the round drafted
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
 
@@ -91,40 +109,45 @@ class AdaptiveBudget:
         self._scale[k] += (ratio - self._scale[k]) / min(self._scale_count[k], 20)  # mean, then running
 
 
-    def chain_choice(self, tree: DraftTree) -> tuple[int, float]:
+    def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
-        draft forward (a lookup chain): the number of its nodes to verify, and that round's expected
-        tokens per ms."""
-        expected, best, best_rate = 1.0, 0, self.plain_rate()
+        draft forward (a lookup chain): its prefix that gives the most tokens per ms, or None when
+        not even one node beats a plain step."""
+        expected, best = 1.0, None
+        best_rate = self.plain_rate()
         for n in range(1, min(len(tree) - 1, self.max_budget) + 1):
             expected += math.exp(tree.scores[n])  # a chain: node n is on the path with P = exp(score)
-            rate = expected / (self.verify_cost(n) + self.overhead_ms)
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best, best_rate
+            cost = self.verify_cost(n) + self.overhead_ms
+            if expected / cost > best_rate:
+                best, best_rate = (n, expected, cost), expected / cost
+        if best is None:
+            return None
+        n, expected, cost = best
+        return ChainOffer(tree.prefix(n + 1), expected, cost)
 
-    def lookup_chain(self, drafter, root: int, room: int) -> tuple[DraftTree | None, float]:
+    def lookup_chain(self, drafter, root: int, room: int) -> ChainOffer | None:
         """The lookup chain that a drafter with prompt lookup offers this round without a head
-        forward, cut to the size that pays best, and its expected tokens per ms; (None, 0.0) when
-        there is none, or when not even one node of it beats a plain step."""
+        forward, cut to the size that pays best; None when there is none, or when not even one node
+        of it beats a plain step."""
         if not isinstance(drafter, MixedDrafter):
-            return None, 0.0
+            return None
         chain = drafter.propose_lookup(root, room)
-        if chain is None:
-            return None, 0.0
-        nodes, rate = self.chain_choice(chain.tree(drafter.max_draft))
-        return (chain.tree(nodes), rate) if nodes else (None, 0.0)
+        return self.chain_offer(chain.tree(drafter.max_draft)) if chain is not None else None
 
-    def should_draft(self, alternative_rate: float = 0.0) -> bool:
-        """False when drafting is expected to be slower than a plain step, or than another round
-        without a draft forward that yields ``alternative_rate`` tokens per ms (see the module doc)."""
-        if alternative_rate > self.plain_rate():  # a lookup chain pays: draft, or verify it alone
-            prefer = self.chain_ways.measured_preference()
-            if prefer is None:
-                prefer = self.draft_rate is None or self.draft_rate >= alternative_rate
-            self._round_way = self.chain_ways.decide(prefer)
-            return self._round_way
-        self._round_way = None
+    def should_draft(self, chain: ChainOffer | None = None) -> bool:
+        """False when drafting is expected to be slower than a plain step, or than verifying the
+        paying lookup ``chain`` alone (see the module doc)."""
+        self._offer = None
+        if chain is not None:
+            if self.head_gain is None:  # the head's gain not measured yet: the model's estimate
+                prefer = self.draft_rate is None or self.draft_rate >= chain.rate
+            else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
+                nodes = len(chain.tree) - 1 + self._recent_choice
+                cost = self._draft[min(nodes, self.max_budget)] + self.verify_cost(nodes) + self.overhead_ms
+                prefer = (chain.expected + self.head_gain) / cost > chain.rate
+            drafted = self._chain_explorer.decide(prefer)
+            self._offer = chain if drafted else None
+            return drafted
         pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
         if pays:
             self._plain_rounds, self._explore_gap = 0, self.explore_every
@@ -168,10 +191,9 @@ class AdaptiveBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None, round_ms: float | None = None) -> None:
+                verify_ms: float | None = None) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too;
-        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
-        ``round_ms``: all of it (a round that had a paying lookup chain is measured by it)."""
+        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time."""
         accepted = set(path)
         for node in range(1, len(tree)):
             if tree.parents[node] in accepted:
@@ -183,6 +205,11 @@ class AdaptiveBudget:
             self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)
         if verify_ms is not None:
             self._observe_verify(len(tree) - 1, verify_ms)
-        if self._round_way is not None and round_ms:
-            self.chain_ways.observe(self._round_way, len(path) / round_ms)  # tokens: accepted + bonus
-        self._round_way = None
+        if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
+            offered = self._offer.tree.tokens[1:]
+            taken = [tree.tokens[i] for i in path[1:]]
+            followed = next((k for k, (a, b) in enumerate(zip(offered, taken)) if a != b), min(len(offered), len(taken)))
+            gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's
+            self._gains += 1
+            self.head_gain = gain if self.head_gain is None else self.head_gain + (gain - self.head_gain) / min(self._gains, 20)
+            self._offer = None

@@ -1,10 +1,11 @@
 """Choosing between two ways to run a round by what they measured, while still trying the other.
 
-Both budgets face the same choice more than once: draft or not (a batch under load), draft or verify
-the lookup chain alone (a single stream). A prediction decides until both ways have been measured
-(tokens per millisecond, running means); then the faster one is preferred, and the other is tried
-again after ``explore_every`` rounds, then after twice as many, and so on up to
-``max_explore_every``, while it keeps losing. A change of preference starts the gap again.
+Both budgets face a two-way choice round after round: draft or not (a batch under load, where the
+two ways' measured tokens per millisecond decide once both were measured), draft or verify the
+lookup chain alone (a single stream, where the head's measured gain decides). Whatever the
+preference, the other way is tried again after ``explore_every`` rounds, then after twice as many,
+and so on up to ``max_explore_every``, while it keeps losing; a change of preference starts the
+gap again.
 """
 
 from __future__ import annotations

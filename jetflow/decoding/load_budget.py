@@ -27,7 +27,7 @@ then.
 
 from __future__ import annotations
 
-from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.budget import AdaptiveBudget, ChainOffer
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.explore import Explorer
 from jetflow.tree.build import DraftTree
@@ -61,10 +61,10 @@ class LoadBudget:
             return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
-    def should_draft(self, batch: int, alternative_rate: float = 0.0) -> bool:
-        """``alternative_rate``: a lone request's lookup chain (see AdaptiveBudget.should_draft)."""
+    def should_draft(self, batch: int, chain: ChainOffer | None = None) -> bool:
+        """``chain``: a lone request's paying lookup chain (see AdaptiveBudget.should_draft)."""
         if batch == 1:
-            return self.single.should_draft(alternative_rate)
+            return self.single.should_draft(chain)
         b = self.bucket(batch)
         way = self._way(b)
         prefer = way.measured_preference()  # both ways measured at this batch size: they decide
@@ -108,7 +108,7 @@ class LoadBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None, round_ms: float | None = None) -> None:
+                verify_ms: float | None = None) -> None:
         """A shared request's verified tree and accepted path; the times (a lone request's round
-        outside draft and verify, its verify, all of it) feed the single-stream policy."""
-        self.single.observe(tree, path, other_ms, verify_ms, round_ms)
+        outside draft and verify, and its verify) feed the single-stream policy."""
+        self.single.observe(tree, path, other_ms, verify_ms)

@@ -113,7 +113,7 @@ class MixedDrafter:
     def propose_lookup(self, anchor: int, room: int) -> MixedProposal | None:
         """The lookup chain alone, no head forward (None without a match). Its tree's scores are the
         calibrated log-probabilities of each chain token being accepted, which is what lets a budget
-        weigh a round of it against a drafted round (decoding/budget.py, ``chain_choice``)."""
+        weigh a round of it against a drafted round (decoding/budget.py, ``chain_offer``)."""
         proposal = self._with_lookup(anchor, room, None)
         return proposal if proposal.chain else None
 

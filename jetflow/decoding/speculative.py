@@ -76,7 +76,7 @@ def speculative_stream(
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
             adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
-                             verify_ms=spent["verify"], round_ms=sum(spent.values()))
+                             verify_ms=spent["verify"])
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)
@@ -96,8 +96,8 @@ def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, 
     """The round's tree when a head forward is not expected to pay: the lookup chain alone (it costs
     no forward) when it beats a plain step, else the root alone; None when drafting pays or explores."""
     with stats.timed("draft"):
-        chain, rate = adaptive.lookup_chain(drafter, root, room)
-    if adaptive.should_draft(rate):
+        chain = adaptive.lookup_chain(drafter, root, room)
+    if adaptive.should_draft(chain):
         return None
     stats.round_kinds["plain" if chain is None else "lookup"] += 1
-    return DraftTree.root_only(root) if chain is None else chain
+    return DraftTree.root_only(root) if chain is None else chain.tree
