@@ -107,12 +107,13 @@ def test_calibration_counts_like_brute_force():
                 hits[n, d] += d <= accepted
     np.testing.assert_array_equal(cal.trials, trials)
     np.testing.assert_array_equal(cal.hits, hits)
-    expected, previous = [], 0.5  # each depth's counts shrunk towards the depth above (2 pseudo-trials)
-    for d in range(1, 11):
+    expected, previous = [], 0.5  # each depth's counts shrunk towards the depth above (2 pseudo-trials),
+    for d in range(1, 11):        # less one standard error
         previous = (hits[2, d] + 2.0 * previous) / (trials[2, d] + 2.0)
-        expected.append(previous)
+        expected.append(previous - math.sqrt(previous * (1 - previous) / (trials[2, d] + 2.0)))
     np.testing.assert_allclose(cal.rates(2, 10), expected)
-    assert LookupCalibration().rates(1, 4).tolist() == [0.5] * 4  # no evidence: one half everywhere
+    no_evidence = 0.5 - math.sqrt(0.25 / 2)
+    assert LookupCalibration().rates(1, 4) == pytest.approx([no_evidence] * 4)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,7 @@ class _History:
 
 def test_observe_counts_how_far_the_target_followed_the_chain():
     drafter = MixedDrafter(_Primary(), _History())
+    drafter.calibration.rates = lambda ngram, depth: np.full(depth, 0.5)  # (priced as if half were taken)
     proposal = drafter.propose(3, 7, 100, 1, max_nodes=8)  # "1 2 3" occurred before, followed by 4 5 1 2 3
     assert proposal.chain == [4, 5, 1, 2, 3]
     tree = proposal.tree(8)
@@ -185,7 +187,9 @@ def test_observe_counts_how_far_the_target_followed_the_chain():
     trials, hits = drafter.calibration.trials - before[0], drafter.calibration.hits - before[1]
     assert trials[3].tolist() == [0, 1, 1, 1] + [0] * 7  # depths 1-3 were tried (3: after 2 accepted)
     assert hits[3].tolist() == [0, 1, 1, 0] + [0] * 7
-    assert trials.sum() == 3 and drafter.calibration.rates(3, 3) == pytest.approx([2 / 3, 7 / 9, 14 / 27])
+    shrunk = [2 / 3, 7 / 9, 14 / 27]  # 1 of 1, 1 of 1, 0 of 1, each shrunk towards the depth above
+    assert trials.sum() == 3 and LookupCalibration.rates(drafter.calibration, 3, 3) == pytest.approx(
+        [r - math.sqrt(r * (1 - r) / 3) for r in shrunk])
 
 
 @pytest.mark.real
