@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.explore import Explorer
-from jetflow.decoding.mixed_drafter import MixedDrafter
+from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
 from jetflow.tree.build import DraftTree
 
 
@@ -107,7 +107,6 @@ class AdaptiveBudget:
         self._scale_count[k] += 1
         ratio = ms / self._curve[min(nodes, self.max_budget)]
         self._scale[k] += (ratio - self._scale[k]) / min(self._scale_count[k], 20)  # mean, then running
-
 
     def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
@@ -206,9 +205,7 @@ class AdaptiveBudget:
         if verify_ms is not None:
             self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
-            offered = self._offer.tree.tokens[1:]
-            taken = [tree.tokens[i] for i in path[1:]]
-            followed = next((k for k, (a, b) in enumerate(zip(offered, taken)) if a != b), min(len(offered), len(taken)))
+            followed = chain_followed(self._offer.tree.tokens[1:], tree, path)
             gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's
             self._gains += 1
             self.head_gain = gain if self.head_gain is None else self.head_gain + (gain - self.head_gain) / min(self._gains, 20)

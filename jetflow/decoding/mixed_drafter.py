@@ -22,6 +22,12 @@ from jetflow.decoding.lookup_drafter import MAX_DRAFT, MAX_NGRAM, lookup_match
 from jetflow.tree.build import DraftTree
 
 
+def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
+    """How many leading tokens of ``chain`` the accepted ``path`` (root first) of ``tree`` took."""
+    taken = [tree.tokens[n] for n in path[1:]]
+    return next((k for k, (a, b) in enumerate(zip(chain, taken)) if a != b), min(len(chain), len(taken)))
+
+
 class LookupCalibration:
     """P(target accepts the lookup token at depth d | it accepted the one before), per match length.
 
@@ -140,7 +146,5 @@ class MixedDrafter:
             if node is None:
                 break
             verified += 1
-        taken = [tree.tokens[n] for n in path[1:]]
-        accepted = next((k for k, (a, b) in enumerate(zip(chain, taken)) if a != b), min(len(chain), len(taken)))
-        self.calibration.observe(ngram, verified, accepted)
+        self.calibration.observe(ngram, verified, chain_followed(chain, tree, path))
         self._last = None
