@@ -65,7 +65,7 @@ class AdaptiveBudget:
         self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
         self._rounds = 0
         # The cost curve is measured once per machine and cached, but a machine's speed, and the
-        # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.64 when
+        # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.62 when
         # cached, 1.35 later the same day). So verify times are measured as rounds run, and the
         # curve is scaled by the running ratio of measured to predicted time, one ratio for plain
         # steps and one for trees (pooled over all sizes: a size judged dear by one slow
@@ -80,8 +80,8 @@ class AdaptiveBudget:
         # in) or verify the chain alone? What the head adds is measured exactly in drafted rounds:
         # greedy acceptance is deterministic, so the chain alone would have emitted its prefix that
         # the target followed plus a bonus token, and the rest of what the round emitted is the
-        # head's gain (timing a round is too noisy here: +-20% on a shared CPU, against a draft of
-        # ~5-10% of a round).
+        # head's gain (timing rounds is too noisy on a shared CPU: a round's time moves by more than
+        # the draft's few percent of it).
         self.head_gain: float | None = None  # running mean of that gain, tokens per drafted round
         self._gains = 0
         self._chain_explorer = Explorer(explore_every, max_explore_every)
