@@ -91,6 +91,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _data_dir(text: str) -> Path:
+    """A `jetflow regenerate` output: a directory holding token shards."""
+    from jetflow.data.shards import list_shards
+
+    path = Path(text)
+    if not path.is_dir() or not list_shards(path):
+        raise argparse.ArgumentTypeError(f"{text} is not a regenerated data directory (no shard-NNNNN.npz files)")
+    return path
+
+
 def cmd_generate(args) -> int:
     from jetflow.decoding.reference import generate_with_reference
     from jetflow.decoding.sampling import SamplingParams
@@ -138,6 +148,7 @@ def _write_delta(text: str) -> None:
 def cmd_regenerate(args) -> int:
     from jetflow.data.prompts import load_prompts
     from jetflow.data.regenerate import regenerate
+    from jetflow.data.shards import list_shards, read_shard
 
     mix = None
     if args.mix:
@@ -147,7 +158,8 @@ def cmd_regenerate(args) -> int:
             raise JetFlowError(f"--mix must look like gsm8k-train=0.5,sharegpt=0.5, got {args.mix!r}") from None
     if args.temperature < 0:
         raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
-    prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix)
+    exclude = {seq.prompt_id for data in args.exclude for shard in list_shards(data) for seq in read_shard(shard)}
+    prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix, exclude=exclude)
     if not prompts:
         raise JetFlowError(f"no prompts loaded from {args.prompts!r}")
     target = _load_jetflow_target(args)  # either backend: regeneration only generates
@@ -399,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers instead (the raw-data ablation; no generation)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--exclude", type=_data_dir, action="append", default=[], metavar="DIR",
+                   help="skip the prompts an earlier regeneration in DIR already answered (repeatable)")
     r.add_argument("--out", required=True, type=Path)
     r.set_defaults(func=cmd_regenerate)
 

@@ -109,6 +109,13 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "data")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["complete"] and summary["sequences"] == 5
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(8)))
+    assert main(["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--exclude", str(tmp_path / "data"), "--out", str(tmp_path / "more")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sequences"] == 3  # the 3 new ones
+    with pytest.raises(SystemExit):
+        main(["regenerate", "--prompts", str(prompts), "--exclude", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert "not a regenerated data directory" in capsys.readouterr().err
     args = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
             "--block-size", "4", "--layers", "1", "--batch", "2", "--epochs", "2", "--warmup", "1"]
     assert main(args) == 0

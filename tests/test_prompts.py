@@ -158,6 +158,15 @@ def test_equal_shares_fill_from_others(sources):
     assert load_prompts(sources, num=0) == []
 
 
+def test_exclude_takes_other_prompts(sources):
+    first = load_prompts(sources, num=30, seed=3)
+    more = load_prompts(sources, num=30, seed=3, exclude={p.id for p in first})
+    assert not {p.id for p in first} & {p.id for p in more}
+    # c's 10 were all taken the first time: its share goes to a and b
+    assert Counter(p.source for p in more) == {"a.jsonl": 15, "b.jsonl": 15}
+    assert len(load_prompts(sources, exclude={p.id for p in first})) == 60
+
+
 def test_mix_proportions(sources):
     mix = {sources[0]: 0.5, sources[1]: 0.3, sources[2]: 0.2}
     got = load_prompts(sources, num=40, seed=1, mix=mix)

@@ -427,11 +427,12 @@ def allocate(num: int, available: list[int], weights: list[Fraction]) -> list[in
 
 
 def load_prompts(spec: str | list[str], num: int | None = None, seed: int = 0,
-                 mix: dict[str, float] | None = None) -> list[Prompt]:
+                 mix: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset()) -> list[Prompt]:
     """Deterministic mix of prompts from several sources (see ``load_source``).
 
     Prompts are de-duplicated (whitespace-collapsed text, across sources; the earlier source in
-    ``spec`` keeps a shared prompt), each source is shuffled by ``seed`` and ``num * ratio`` are taken
+    ``spec`` keeps a shared prompt), prompts whose id is in ``exclude`` are dropped (e.g. those an
+    earlier regeneration already answered), each source is shuffled by ``seed`` and ``num * ratio`` are taken
     from it (equal shares without ``mix``; a source short of its share leaves the rest to the others),
     then the result is shuffled by ``seed``. ``num=None`` takes everything, or with ``mix`` the most
     the ratios allow. Fewer than ``num`` come back only when all sources together have fewer.
@@ -440,7 +441,7 @@ def load_prompts(spec: str | list[str], num: int | None = None, seed: int = 0,
     weights = _weights(names, mix)
     if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
         raise JetFlowError(f"number of prompts must be an integer >= 0, got {num!r}")
-    groups = dedupe([load_source(name) for name in names])
+    groups = [[p for p in prompts if p.id not in exclude] for prompts in dedupe([load_source(name) for name in names])]
     for name, prompts in zip(names, groups):
         random.Random(f"{seed}:{name}").shuffle(prompts)
     available = [len(prompts) for prompts in groups]
