@@ -183,7 +183,8 @@ def cmd_train(args) -> int:
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
-                         embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain)
+                         embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
+                         shift_tokens=args.shift_tokens)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -465,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--slot-token-gain", type=float, default=1.0, metavar="G",
                    help="block heads: multiply the token embeddings of the slots after the anchor by G (revealed "
                         "path tokens are otherwise a small part of a slot's input; 1 = off)")
+    t.add_argument("--shift-tokens", action="store_true",
+                   help="causal block heads: each slot reads the token of the slot before it instead of its own "
+                        "(so the slot after a revealed path token gets it as input; revealed slots stay supervised)")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule")
     t.add_argument("--snapshot-at", default=None,

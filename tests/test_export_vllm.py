@@ -59,6 +59,7 @@ def test_export_layout_and_folded_scale(tiny_dir, tmp_path, reduced):
     (dict(depth_embedding=True), "--depth-embedding"),
     (dict(embed_norm=True), "--embed-norm"),
     (dict(slot_token_gain=8.0), "--slot-token-gain"),
+    (dict(shift_tokens=True), "--shift-tokens"),
     (dict(kind="eagle3"), "not a block head"),
 ])
 def test_heads_vllm_cannot_represent_are_refused(tiny_dir, tmp_path, kw, reason):

@@ -35,9 +35,10 @@ def test_layout_is_the_path_with_a_mask_slot_under_each_token():
     assert parents == [-1, 0, 1, 2, 1, 2, 3] and depths == [0, 1, 2, 3, 2, 3, 4]
 
 
-@pytest.mark.parametrize("draft_vocab,gain", [(None, 1.0), (40, 1.0), (None, 8.0)])
-def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab, gain):
-    head = make_head(target, draft_vocab_size=draft_vocab, slot_token_gain=gain)
+@pytest.mark.parametrize("draft_vocab,gain,shift", [(None, 1.0, False), (40, 1.0, False), (None, 8.0, False),
+                                                    (None, 1.0, True), (40, 8.0, True)])
+def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab, gain, shift):
+    head = make_head(target, draft_vocab_size=draft_vocab, slot_token_gain=gain, shift_tokens=shift)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)
     drafter = BlockDrafter(head, target, refine=True)
@@ -88,9 +89,9 @@ def test_per_depth_rows_are_the_special_case():
     assert (a.tokens, a.parents, a.scores) == (b.tokens, b.parents, b.scores)
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_greedy_decoding_with_the_second_pass_equals_autoregressive(target, int8):
-    head = make_head(target)
+@pytest.mark.parametrize("int8,shift", [(False, False), (True, False), (False, True), (True, True)])
+def test_greedy_decoding_with_the_second_pass_equals_autoregressive(target, int8, shift):
+    head = make_head(target, shift_tokens=shift)
     head.config.path_refine = True
     jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False)
     assert jf.drafter.refine
@@ -127,3 +128,33 @@ def test_slot_token_gain_scales_the_slots_after_the_anchor(target):
     torch.testing.assert_close(gained(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t),
                                plain(torch.cat([nodes[:1], 8.0 * nodes[1:]]), 5 + depth_t, ctx, tree_mask, last,
                                      depths=depth_t), atol=1e-5, rtol=0)
+
+
+def test_shifted_slots_read_the_token_before_them(target):
+    """A shift-tokens head equals the same weights fed, in each slot, the embedding of the slot before
+    it (the anchor keeps its own), in whole blocks and in the second pass's tree layout (the parent's
+    token); so slot j's output never depends on slot j's own token."""
+    plain, shifted = make_head(target), make_head(target, shift_tokens=True)
+    torch.manual_seed(3)
+    fused = plain.fuse(torch.randn(5, 2 * 64))
+    ctx, last = plain.context_kv(fused, torch.arange(5)), fused[-1]
+    blocks = torch.randn(12, 64)  # two blocks of 6 slots, as training lays them out
+    by_hand = torch.cat([blocks[0:1], blocks[0:5], blocks[6:7], blocks[6:11]])
+    positions = torch.cat([torch.arange(5, 11), torch.arange(7, 13)])
+    mask = torch.cat([torch.ones(12, 5, dtype=torch.bool), torch.block_diag(*[torch.ones(6, 6).tril()] * 2).bool()], 1)
+    torch.testing.assert_close(shifted(blocks, positions, ctx, mask, last),
+                               plain(by_hand, positions, ctx, mask, last), atol=1e-5, rtol=0)
+    changed = blocks.clone()
+    changed[3] += 1.0  # slot 3's own token: only the slots after it may move
+    out, ref = shifted(changed, positions, ctx, mask, last), shifted(blocks, positions, ctx, mask, last)
+    torch.testing.assert_close(out[:4], ref[:4], atol=1e-6, rtol=0)
+    assert not torch.allclose(out[4], ref[4])
+    parents, depths = refine_layout(3)
+    depth_t, parent_t = torch.tensor(depths), torch.tensor(parents)
+    tree_mask = torch.cat([torch.ones(5, 5, dtype=torch.bool), ancestor_matrix(parents)], 1)
+    nodes = torch.randn(5, 64)
+    torch.testing.assert_close(shifted(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t, parents=parent_t),
+                               plain(nodes[parent_t.clamp(min=0)], 5 + depth_t, ctx, tree_mask, last, depths=depth_t),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="parents"):
+        shifted(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t)

@@ -48,6 +48,14 @@ def test_revealed_slots_hold_the_next_tokens_and_are_not_supervised():
         assert torch.equal(getattr(b, name), getattr(plain, name))
 
 
+def test_revealed_slots_stay_supervised_for_heads_that_shift_tokens():
+    tokens = torch.tensor([100, 101, 102, 7, 8, 9, 10, 11, 12])
+    anchors, shown = torch.tensor([3, 4, 6]), torch.tensor([2, 0, 3])
+    b = make_blocks(tokens, anchors, 5, 0, revealed=shown, supervise_revealed=True)
+    assert torch.equal(b.block_ids, make_blocks(tokens, anchors, 5, 0, revealed=shown).block_ids)
+    assert torch.equal(b.loss_mask, make_blocks(tokens, anchors, 5, 0).loss_mask)
+
+
 def test_anchor_sampling_stays_inside_the_answer():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -72,9 +72,10 @@ def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, w
     parents, depths = refine_layout(d)
     ids = torch.tensor([anchor] + path[: d - 1] + [head.config.mask_token_id] * (d - 1), device=device)
     depth_t = torch.tensor(depths, device=device)
+    parent_t = torch.tensor(parents, device=device)
     inner = ancestor_matrix(parents).to(device)
     mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device), inner], 1)
     hidden = drafter.run_head(drafter.embed(ids), position + depth_t, drafter.context_kv, mask,
-                              drafter.last_feature, depths=depth_t)
+                              drafter.last_feature, depths=depth_t, parents=parent_t)
     rows = torch.cat([first, drafter._output_logprobs(hidden[d:])])
     return RefinedProposal(rows, path, d, anchor, width, drafter.draft_ids)

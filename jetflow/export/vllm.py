@@ -42,6 +42,8 @@ def unsupported(config: DraftHeadConfig) -> list[str]:
         reasons.append("it RMS-normalises the slots' token embeddings (--embed-norm), which DFlash does not")
     if config.slot_token_gain != 1.0:
         reasons.append("it scales the slots' token embeddings (--slot-token-gain), which DFlash does not")
+    if config.shift_tokens:
+        reasons.append("its slots read the token of the slot before them (--shift-tokens); DFlash slots read their own")
     return reasons
 
 

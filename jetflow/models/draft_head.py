@@ -69,6 +69,13 @@ class DraftHeadConfig:
     # predict what follows that path, so decoding can run a second, path-conditioned pass
     # (decoding/refine.py).
     path_refine: bool = False
+    # Each slot reads the token of the slot before it (its parent in a path-conditioned tree) in
+    # place of its own, as a language model's inputs are shifted against its outputs. In the first
+    # pass this changes only slot 1 (the anchor instead of MASK); in a revealed block the slot after
+    # the last path token gets that token in its own input, where a head trained for 248 steps
+    # ignores it when it can only reach it through attention (docs/results.md, path-conditioned pass).
+    # A slot never reads its own token, so revealed slots can be supervised as well.
+    shift_tokens: bool = False
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
     # "block": one forward drafts block_size - 1 depths. "eagle3": the autoregressive baseline
     # (jetflow/models/eagle_head.py); there block_size is the deepest draft tree level + 1.
@@ -94,7 +101,8 @@ class DraftHeadConfig:
     def for_target(cls, target, *, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "causal",
                    mask_token_id: int | None = None, draft_vocab_size: int | None = None,
                    feed_last_feature: bool = False, depth_embedding: bool = False,
-                   kind: str = "block", embed_norm: bool = False, slot_token_gain: float = 1.0) -> "DraftHeadConfig":
+                   kind: str = "block", embed_norm: bool = False, slot_token_gain: float = 1.0,
+                   shift_tokens: bool = False) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         shape = target.shape()
         return cls(
@@ -118,6 +126,7 @@ class DraftHeadConfig:
             depth_embedding=depth_embedding,
             embed_norm=embed_norm,
             slot_token_gain=slot_token_gain,
+            shift_tokens=shift_tokens,
             target=target.identity(),
             kind=kind,
         )
@@ -237,7 +246,8 @@ class DraftHead(nn.Module):
         return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds, positions, context_kv, mask, last_feature=None,
-                block_size: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+                block_size: int | None = None, depths: torch.Tensor | None = None,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
         """Block hidden states after the final norm, [..., Q, H].
 
         block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
@@ -247,11 +257,20 @@ class DraftHead(nn.Module):
         they are not ``config.block_size`` (training's 2-slot depth-1 blocks); default: whole blocks, or
         one block of Q < block_size slots. ``depths`` [Q]: the slots are one tree instead (the
         path-conditioned pass, decoding/refine.py): slot 0 is the anchor, slot i sits at depth
-        ``depths[i]`` below it, and ``mask`` says which slots it sees."""
+        ``depths[i]`` below it, ``parents[i]`` is its parent slot (-1 for the anchor), and ``mask``
+        says which slots it sees."""
         x = block_embeds.to(self.fc.weight.dtype)
+        b = block_size or min(self.config.block_size, x.shape[-2])
+        if self.config.shift_tokens:  # slot j reads slot j-1's token (the anchor reads its own)
+            if depths is None:
+                blocks = x.unflatten(-2, (-1, b))
+                x = torch.cat([blocks[..., :1, :], blocks[..., :-1, :]], dim=-2).flatten(-3, -2)
+            elif parents is None:
+                raise ValueError("a tree of slots needs its parents when the head shifts tokens")
+            else:
+                x = x[..., parents.clamp(min=0), :]
         if self.slot_embed_norm is not None:
             x = self.slot_embed_norm(x)
-        b = block_size or min(self.config.block_size, x.shape[-2])
         depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
         if self.config.slot_token_gain != 1.0:  # every slot but the anchor
             x = x * torch.where(depth > 0, self.config.slot_token_gain, 1.0).to(x.dtype)[:, None]

@@ -66,7 +66,8 @@ def block_sequence_loss(trainer, index: int, generator: torch.Generator) -> tupl
         k = anchors.shape[0]
         shown = torch.rand(k, generator=generator) < c.reveal
         revealed = torch.where(shown, torch.randint(1, c.block_size - 1, (k,), generator=generator), 0)
-    blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id, revealed)
+    blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id, revealed,
+                         supervise_revealed=head.config.shift_tokens)
     labels = blocks.labels if trainer.label_index is None else trainer.label_index[blocks.labels]
     usable = blocks.loss_mask & (labels >= 0) if c.loss == "sft" else blocks.loss_mask
     sel = usable.nonzero().flatten()

@@ -42,12 +42,14 @@ def sample_anchors(prompt_len: int, seq_len: int, count: int, generator: torch.G
 
 
 def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                revealed: torch.Tensor | None = None) -> BlockBatch:
+                revealed: torch.Tensor | None = None, supervise_revealed: bool = False) -> BlockBatch:
     """Blocks for one sequence ``tokens`` [T] (prompt + answer) and its ``anchors`` [K].
 
     ``revealed`` [K]: in block i, slots 1..revealed[i] hold the sequence's own next tokens instead
-    of MASK and are not supervised. Those blocks train the head's second, path-conditioned pass
-    (decoding/refine.py), where the slots after a draft path's tokens predict what follows that path."""
+    of MASK and are not supervised (unless ``supervise_revealed``: a head that shifts tokens never
+    reads a slot's own token, so a revealed slot can still learn it). Those blocks train the head's
+    second, path-conditioned pass (decoding/refine.py), where the slots after a draft path's tokens
+    predict what follows that path."""
     seq_len = tokens.shape[0]
     j = torch.arange(block_size)
     pos = (anchors[:, None] + j[None, :]).flatten()
@@ -60,7 +62,8 @@ def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, ma
     if revealed is not None:
         shown = (depth >= 1) & (depth <= revealed.repeat_interleave(block_size)) & inside
         block_ids = torch.where(shown, labels, block_ids)
-        supervised &= ~shown
+        if not supervise_revealed:
+            supervised &= ~shown
     return BlockBatch(anchors, block_ids, pos, (pos - 1).clamp(min=0), labels, supervised, depth)
 
 

@@ -72,6 +72,7 @@ class TrainConfig:
     # follows a given path: the head's second, path-conditioned pass (decoding/refine.py). 0: off.
     reveal: float = 0.0
     slot_token_gain: float = 1.0  # block heads: DraftHeadConfig.slot_token_gain
+    shift_tokens: bool = False  # causal block heads: DraftHeadConfig.shift_tokens
 
     def __post_init__(self):
         if self.head not in HEAD_KINDS:
@@ -99,6 +100,9 @@ class TrainConfig:
         if self.reveal > 0 and (self.head != "block" or self.attention != "causal" or self.block_size < 3):
             raise JetFlowError("revealed blocks (--reveal) train the path-conditioned pass of causal block heads "
                                "with a block of at least 3 slots")
+        if self.shift_tokens and (self.head != "block" or self.attention != "causal"):
+            raise JetFlowError("--shift-tokens is for causal block heads (a bidirectional slot would see its own token "
+                               "through the next slot)")
         if self.lr <= 0 or self.kl_temperature <= 0 or self.gamma < 0:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
@@ -151,7 +155,7 @@ class Trainer:
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
                 depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm,
-                slot_token_gain=config.slot_token_gain))
+                slot_token_gain=config.slot_token_gain, shift_tokens=config.shift_tokens))
             if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
                 counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
                 required = target.stop_token_ids()
