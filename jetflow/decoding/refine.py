@@ -9,7 +9,10 @@ output is the depth-(j+1) distribution conditioned on the path. The tree is then
 over both passes' rows: a node on the path takes its children from its path-conditioned row, every
 other node from the first pass's row of its depth (tree/build.py, build_tree_rows).
 
-Layout of the pass, 2D-1 slots for D draft depths: [anchor, t1..t(D-1), q1..q(D-1)].
+Layout of the pass, 2D-1 slots for D draft depths: [anchor, t1..t(D-1), q1..q(D-1)]. A head that
+shifts tokens (``config.shift_tokens``: each slot reads its parent's token) needs no q slots: in the
+plain causal block [anchor, t1..t(D-1), MASK] the slot after t_j reads t_j and sees t1..tj, so D+1
+slots give the same rows.
 """
 
 from __future__ import annotations
@@ -59,6 +62,24 @@ class RefinedProposal:
                                self.width, self.vocab_ids)
 
 
+def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) -> torch.Tensor:
+    """Head states [D-1, H] of depths 2..D after the path t1..tj (row j-1: after t1..tj)."""
+    head, device = drafter.head, drafter.head.fc.weight.device
+    mask_id = head.config.mask_token_id
+    if head.config.shift_tokens:  # a plain causal block [anchor, t1..t(D-1), MASK]; slot j+1 reads t_j
+        ids = torch.tensor([anchor] + path[: d - 1] + [mask_id], device=device)
+        mask = head.block_mask(drafter.context_len, device)[: d + 1, : drafter.context_len + d + 1]
+        positions = torch.arange(position, position + d + 1, device=device)
+        return drafter.run_head(drafter.embed(ids), positions, drafter.context_kv, mask, drafter.last_feature)[2:]
+    parents, depths = refine_layout(d)
+    ids = torch.tensor([anchor] + path[: d - 1] + [mask_id] * (d - 1), device=device)
+    depth_t = torch.tensor(depths, device=device)
+    inner = ancestor_matrix(parents).to(device)
+    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device), inner], 1)
+    return drafter.run_head(drafter.embed(ids), position + depth_t, drafter.context_kv, mask, drafter.last_feature,
+                            depths=depth_t)[d:]
+
+
 @torch.inference_mode()
 def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int) -> RefinedProposal:
     """The second pass after ``first`` [D, Vd], the first pass's rows from ``anchor`` at ``position``
@@ -68,14 +89,5 @@ def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, w
     path = (path_ids if drafter.draft_ids is None else drafter.draft_ids[path_ids]).tolist()
     if d < 2:
         return RefinedProposal(first, path, d, anchor, width, drafter.draft_ids)
-    head, device = drafter.head, drafter.head.fc.weight.device
-    parents, depths = refine_layout(d)
-    ids = torch.tensor([anchor] + path[: d - 1] + [head.config.mask_token_id] * (d - 1), device=device)
-    depth_t = torch.tensor(depths, device=device)
-    parent_t = torch.tensor(parents, device=device)
-    inner = ancestor_matrix(parents).to(device)
-    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device), inner], 1)
-    hidden = drafter.run_head(drafter.embed(ids), position + depth_t, drafter.context_kv, mask,
-                              drafter.last_feature, depths=depth_t, parents=parent_t)
-    rows = torch.cat([first, drafter._output_logprobs(hidden[d:])])
+    rows = torch.cat([first, drafter._output_logprobs(path_hidden(drafter, anchor, position, path, d))])
     return RefinedProposal(rows, path, d, anchor, width, drafter.draft_ids)

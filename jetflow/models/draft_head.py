@@ -246,8 +246,7 @@ class DraftHead(nn.Module):
         return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds, positions, context_kv, mask, last_feature=None,
-                block_size: int | None = None, depths: torch.Tensor | None = None,
-                parents: torch.Tensor | None = None) -> torch.Tensor:
+                block_size: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
         """Block hidden states after the final norm, [..., Q, H].
 
         block_embeds [..., Q, H] (the target's embeddings of the block tokens), positions [..., Q],
@@ -257,18 +256,15 @@ class DraftHead(nn.Module):
         they are not ``config.block_size`` (training's 2-slot depth-1 blocks); default: whole blocks, or
         one block of Q < block_size slots. ``depths`` [Q]: the slots are one tree instead (the
         path-conditioned pass, decoding/refine.py): slot 0 is the anchor, slot i sits at depth
-        ``depths[i]`` below it, ``parents[i]`` is its parent slot (-1 for the anchor), and ``mask``
-        says which slots it sees."""
+        ``depths[i]`` below it, and ``mask`` says which slots it sees (heads that shift tokens run
+        their second pass as a plain block instead)."""
         x = block_embeds.to(self.fc.weight.dtype)
         b = block_size or min(self.config.block_size, x.shape[-2])
         if self.config.shift_tokens:  # slot j reads slot j-1's token (the anchor reads its own)
-            if depths is None:
-                blocks = x.unflatten(-2, (-1, b))
-                x = torch.cat([blocks[..., :1, :], blocks[..., :-1, :]], dim=-2).flatten(-3, -2)
-            elif parents is None:
-                raise ValueError("a tree of slots needs its parents when the head shifts tokens")
-            else:
-                x = x[..., parents.clamp(min=0), :]
+            if depths is not None:
+                raise ValueError("a head that shifts tokens runs blocks, not trees of slots")
+            blocks = x.unflatten(-2, (-1, b))
+            x = torch.cat([blocks[..., :1, :], blocks[..., :-1, :]], dim=-2).flatten(-3, -2)
         if self.slot_embed_norm is not None:
             x = self.slot_embed_norm(x)
         depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
