@@ -244,7 +244,8 @@ def cmd_eval_offline(args) -> int:
         raise JetFlowError(f"--budgets must be >= 1, got {args.budgets!r}")
     target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
-                               args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr))
+                               args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
+                               refine=False if args.no_refine else None)
     if args.out:
         write_json_atomic(args.out, report)
     print(json.dumps(report["drafters"]))
@@ -498,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0: rounds where greedy decoding puts them (reproduces decoding's tau; default); "
                         "N: N random answer anchors per sequence, shared by all budgets")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--no-refine", action="store_true",
+                   help="replay only the first head pass of heads trained for the path-conditioned second pass")
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "

@@ -34,14 +34,19 @@ def sequences(target):
             for i, p in enumerate(PROMPTS)]
 
 
-@pytest.fixture(scope="module", params=["causal", "bidirectional"])
+@pytest.fixture(scope="module", params=["causal", "bidirectional", "second-pass"])
 def head(request, target, sequences, tmp_path_factory):
-    """A head trained briefly on the sequences, so trees accept several tokens (a random head accepts ~0)."""
+    """A head trained briefly on the sequences, so trees accept several tokens (a random head accepts ~0).
+    "second-pass": a causal head that shifts tokens, trained with revealed blocks; decoding and the
+    replay both run its path-conditioned second pass."""
+    refine = dict(reveal=0.5, shift_tokens=True) if request.param == "second-pass" else {}
     config = TrainConfig(block_size=6, anchors_per_seq=16, layers=1, lr=1e-2, warmup_steps=5, epochs=40,
                          batch_size=3, eval_every=10_000, save_every=10_000, eval_sequences=0,
-                         attention=request.param, draft_vocab=64)
+                         attention="bidirectional" if request.param == "bidirectional" else "causal",
+                         draft_vocab=64, **refine)
     trainer = Trainer(target, sequences, tmp_path_factory.mktemp("run"), config)
     trainer.fit(log=lambda r: None)
+    assert trainer.head.config.path_refine == bool(refine)
     return trainer.head.eval()
 
 
@@ -79,7 +84,7 @@ def test_replayed_rounds_equal_the_decoding_loop(target, sequences, head, budget
         assert want is None or got == want
     if width == 1:  # the chain column drafts the whole block, a chain of budget B-1
         assert result.depths["chain"] == offline_acceptance(head, target, sequences, teacher, [0, 1, 2],
-                                                            [head.config.block_size - 1], 1).depths[
+                                                            [head.config.block_size - 1], 1, refine=False).depths[
             head.config.block_size - 1]
 
 
@@ -114,3 +119,7 @@ def test_refuses_eagle_heads_and_bad_budgets(target, sequences):
     block = DraftHead(DraftHeadConfig.for_target(target, block_size=4))
     with pytest.raises(JetFlowError, match="budgets"):
         offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [0])
+    block.config.path_refine = True  # a second pass through q slots (no --shift-tokens): decode it instead
+    with pytest.raises(JetFlowError, match="shift-tokens"):
+        offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [4])
+    assert offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [4], refine=False).rounds

@@ -10,7 +10,9 @@ what ablations between heads need. Uniform random anchors are an option; they we
 alike, while decoding spends more rounds where drafts fail, so their tau reads higher.
 
 Only block heads: an autoregressive (eagle3) head drafts each depth from its own path, so its tree
-needs the decoding loop (``jetflow bench``).
+needs the decoding loop (``jetflow bench``). A head's path-conditioned second pass (decoding/refine.py)
+is replayed too when the head shifts tokens: it is then one more block per anchor, [anchor, first
+pass's path, MASK], batched like the first pass.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
+from jetflow.decoding.refine import path_rows
 from jetflow.training.blocks import make_blocks, sample_anchors
-from jetflow.tree.build import DraftTree, build_tree
+from jetflow.tree.build import DraftTree, build_tree, build_tree_rows
 
 
 def path_nodes(tree: DraftTree, continuation: list[int]) -> list[int]:
@@ -97,12 +100,12 @@ class _Rounds:
     outside a reduced vocabulary can never be drafted)."""
 
     def __init__(self, head, embed, lm_weight, draft_index, features, seq, largest: int, width: int,
-                 chunk: int = 16):  # small chunks: the block-to-block part of the mask grows as chunk^2
+                 chunk: int = 16, refine: bool = False):  # small chunks: the block-to-block mask grows as chunk^2
         self.head, self.embed, self.lm_weight, self.features = head, embed, lm_weight, features
         self.tokens = torch.tensor(seq.token_ids)
         ids = self.tokens if draft_index is None else draft_index[self.tokens]
         self.ids = ids.tolist()  # the sequence in draft-vocabulary ids (-1: outside it)
-        self.largest, self.width, self.chunk = largest, width, chunk
+        self.largest, self.width, self.chunk, self.refine = largest, width, chunk, refine
         self.block = head.config.block_size
         self.paths: dict[int, tuple[list[int], int]] = {}  # anchor -> (tree path nodes, chain length)
         self.context = None
@@ -112,15 +115,28 @@ class _Rounds:
         blocks = make_blocks(self.tokens, picks, self.block, self.head.config.mask_token_id)
         if self.context is None:
             self.context = block_context(self.head, self.features)
-        hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
-        hidden = hidden.view(len(picks), self.block, -1)
-        logprobs = draft_logprobs(hidden[:, 1:], self.lm_weight)  # [K, B-1, Vd]
+        logprobs = self._depth_logprobs(blocks)  # [K, B-1, Vd]
+        second = None
+        if self.refine:  # [anchor, t1..t(B-1)]: slot j+1 reads t_j, a causal head's row after t1..tj
+            path = logprobs.argmax(-1)  # draft ids
+            path_ids = path if self.head.draft_ids is None else self.head.draft_ids.to(path.device)[path]
+            blocks.block_ids.view(len(picks), self.block)[:, 1:] = path_ids.cpu()
+            second = self._depth_logprobs(blocks)[:, 1:]  # [K, B-2, Vd]: depths 2..B-1 after the path
         for k, a in enumerate(anchors):
             continuation = self.ids[a + 1:a + self.block]
-            depth_lp = logprobs[k, :len(continuation)]
-            tree = path_nodes(build_tree(depth_lp, self.ids[a], self.largest, self.width), continuation)
+            d = len(continuation)
+            depth_lp = logprobs[k, :d]
+            if second is None:
+                tree = build_tree(depth_lp, self.ids[a], self.largest, self.width)
+            else:
+                rows = torch.cat([depth_lp, second[k, :d - 1]])
+                tree = build_tree_rows(rows, path_rows(d, path[k, :d].tolist()), self.ids[a], self.largest, self.width)
             chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
-            self.paths[a] = (tree, len(chain))
+            self.paths[a] = (path_nodes(tree, continuation), len(chain))
+
+    def _depth_logprobs(self, blocks) -> torch.Tensor:
+        hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
+        return draft_logprobs(hidden.view(len(blocks.anchors), self.block, -1)[:, 1:], self.lm_weight)
 
     def prefetch(self, anchors: list[int]) -> None:
         """Compute the given anchors not yet known, ``chunk`` per head forward."""
@@ -138,7 +154,7 @@ class _Rounds:
 @torch.no_grad()
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
-                       anchors: dict[int, torch.Tensor] | None = None) -> OfflineAcceptance:
+                       anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
@@ -146,10 +162,16 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     first at the answer's first token, each next one right after the previous round's bonus token,
     separately per budget -- this reproduces decoding's tau. Otherwise each sequence gets
     ``anchors_per_seq`` random answer anchors (seeded), or the given ``anchors[i]``, shared by all
-    budgets. A round near the end accepts at most the tokens left in the sequence."""
+    budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
+    replay the path-conditioned second pass (None: when decoding would run it, ``config.path_refine``);
+    only for heads that shift tokens. The chain stays the first pass's."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
+    refine = head.config.path_refine if refine is None else refine
+    if refine and not (head.config.shift_tokens and head.config.attention == "causal"):
+        raise JetFlowError("offline replay of the second pass needs a causal head trained with --shift-tokens; "
+                           "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
     if not budgets or min(budgets) < 1:
         raise JetFlowError(f"budgets must be >= 1, got {budgets}")
     head = head.eval()
@@ -166,7 +188,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         if last < seq.prompt_len:
             continue
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
-        rounds = _Rounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width)
+        rounds = _Rounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width, refine=refine)
         if walk:
             for arm in [*budgets, CHAIN]:
                 a = seq.prompt_len
@@ -216,7 +238,7 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
-                      seed: int = 0, log=print) -> dict:
+                      seed: int = 0, log=print, refine: bool | None = None) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
@@ -232,8 +254,9 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
-                                    width, anchors_per_seq, seed)
-        results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
+                                    width, anchors_per_seq, seed, refine=refine)
+        results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
+                              "refine": head.config.path_refine if refine is None else refine}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
     return {"data": str(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
