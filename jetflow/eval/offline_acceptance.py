@@ -24,13 +24,13 @@ import torch
 
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import draft_logprobs
+from jetflow.decoding.refine import path_rows
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
-from jetflow.decoding.refine import path_rows
 from jetflow.training.blocks import make_blocks, sample_anchors
 from jetflow.tree.build import DraftTree, build_tree, build_tree_rows
 
