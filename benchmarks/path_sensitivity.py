@@ -21,22 +21,21 @@ from pathlib import Path
 
 import torch
 
-from jetflow.eval.depth_agreement import teacher_top1
+from jetflow.decoding.block_drafter import draft_logprobs
+from jetflow.eval.depth_agreement import depth_hidden, teacher_top1
 from jetflow.eval.offline_acceptance import eval_teacher, parse_range
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.loading import load_target
-from jetflow.training.block_objective import block_context, blocks_forward
-from jetflow.training.blocks import answer_anchors, make_blocks
+from jetflow.training.block_objective import block_context
+from jetflow.training.blocks import answer_anchors
 from jetflow.training.trainer import load_sequences
 
 
 @torch.no_grad()
 def depth_rows(head, embed, lm_weight, features, context, tokens, anchors, k: int, revealed: bool) -> torch.Tensor:
     """Log-probabilities [anchors, Vd] of depth k, slots 1..k-1 MASK or the true tokens."""
-    shown = torch.full((len(anchors),), k - 1 if revealed else 0, dtype=torch.long)
-    blocks = make_blocks(tokens, anchors, k + 1, head.config.mask_token_id, shown)
-    hidden = blocks_forward(head, embed, features, blocks, context).view(len(anchors), k + 1, -1)[:, k]
-    return (hidden.to(lm_weight.dtype) @ lm_weight.T).float().log_softmax(-1)
+    hidden = depth_hidden(head, embed, features, context, tokens, anchors, k, revealed)
+    return draft_logprobs(hidden, lm_weight)
 
 
 def main() -> None:

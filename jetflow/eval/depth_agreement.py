@@ -74,6 +74,15 @@ def _to_target_ids(head: DraftHead, draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids if ids is None else ids.to(draft_ids.device)[draft_ids]
 
 
+def depth_hidden(head: DraftHead, embed, features: torch.Tensor, context, tokens: torch.Tensor, anchors: torch.Tensor,
+                 k: int, revealed: bool) -> torch.Tensor:
+    """Head states [anchors, H] of depth k from each anchor: slot k of a causal (k+1)-slot block whose
+    slots 1..k-1 hold MASK, or with ``revealed`` the sequence's own next tokens (the path given)."""
+    shown = torch.full((len(anchors),), k - 1 if revealed else 0, dtype=torch.long)
+    blocks = make_blocks(tokens, anchors, k + 1, head.config.mask_token_id, shown)
+    return blocks_forward(head, embed, features, blocks, context).view(len(anchors), k + 1, -1)[:, k]
+
+
 @torch.no_grad()
 def block_depth_predictions(head: DraftHead, embed, lm_weight: torch.Tensor, features: torch.Tensor,
                             tokens: torch.Tensor, prompt_len: int, max_depth: int, chunk: int = 64,
@@ -91,13 +100,8 @@ def block_depth_predictions(head: DraftHead, embed, lm_weight: torch.Tensor, fea
     for start in range(0, len(anchors), chunk):
         picks = anchors[start:start + chunk]
         if path_conditioned:  # depth k: slots 1..k-1 revealed, read slot k of a (k+1)-slot block
-            tops = []
-            for k in range(1, max_depth + 1):
-                shown = torch.full((len(picks),), k - 1, dtype=torch.long)
-                blocks = make_blocks(tokens, picks, k + 1, head.config.mask_token_id, shown)
-                hidden = blocks_forward(head, embed, features, blocks, context).view(len(picks), k + 1, -1)
-                tops.append((hidden[:, k].to(lm_weight.dtype) @ lm_weight.T).argmax(-1))
-            top = torch.stack(tops, 1)
+            top = torch.stack([(depth_hidden(head, embed, features, context, tokens, picks, k, True)
+                                .to(lm_weight.dtype) @ lm_weight.T).argmax(-1) for k in range(1, max_depth + 1)], 1)
         else:
             blocks = make_blocks(tokens, picks, size, head.config.mask_token_id)
             hidden = blocks_forward(head, embed, features, blocks, context).view(len(picks), size, -1)

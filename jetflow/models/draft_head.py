@@ -69,8 +69,7 @@ class DraftHeadConfig:
     # predict what follows that path, so decoding can run a second, path-conditioned pass
     # (decoding/refine.py).
     path_refine: bool = False
-    # Each slot reads the token of the slot before it (its parent in a path-conditioned tree) in
-    # place of its own, as a language model's inputs are shifted against its outputs. In the first
+    # Each slot reads the token of the slot before it in place of its own, as a language model's inputs are shifted against its outputs. In the first
     # pass this changes only slot 1 (the anchor instead of MASK); in a revealed block the slot after
     # the last path token gets that token in its own input, where a head trained for 248 steps
     # ignores it when it can only reach it through attention (docs/results.md, path-conditioned pass).
