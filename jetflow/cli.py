@@ -24,11 +24,17 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp threads (default: all cores)")
 
 
+def _add_data_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, type=Path, action="append", metavar="DIR",
+                   help="a `jetflow regenerate` output directory; repeat to use several, read in the order given "
+                        "(keep one that is still growing last)")
+
+
 def _add_offline_eval_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
     """Target, drafters and held-out data of the offline evaluations (eval-offline, eval-agreement)."""
     _add_target_args(p)
     p.add_argument("--drafter", required=True, action="append", help=drafter_help)
-    p.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output (greedy answers)")
+    _add_data_arg(p)
     p.add_argument("--teacher-cache", type=Path, default=None,
                    help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
     p.add_argument("--sequences", default=None, help="START:END range of sequences in shard order, e.g. "
@@ -218,7 +224,7 @@ def _fractions(text: str | None) -> list[float]:
 
 def cmd_cache_teacher(args) -> int:
     from jetflow.training.teacher_cache import build_teacher_cache
-    from jetflow.training.trainer import load_sequences
+    from jetflow.training.trainer import data_label, load_sequences
 
     target = _load_jetflow_target(args, training=True)
     if args.layers:
@@ -226,7 +232,7 @@ def cmd_cache_teacher(args) -> int:
     sequences = load_sequences(args.data, target, args.max_sequences)
     manifest = build_teacher_cache(target, sequences, args.out, top_k=args.top_k,
                                    sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
-                                   source=str(args.data))
+                                   source=data_label(args.data))
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"], "sequences": manifest["num_sequences"],
                       "wall_seconds": round(manifest["wall_seconds"], 1)}))
     return 0
@@ -420,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a draft head on regenerated data (resumable; torchrun for data parallel)")
     _add_target_args(t)
-    t.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
+    _add_data_arg(t)
     t.add_argument("--out", required=True, type=Path)
     t.add_argument("--head", choices=["block", "eagle3"], default="block",
                    help="block: the JetFlow/DFlash parallel head (default); eagle3: the autoregressive baseline "
@@ -479,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cache-teacher", help="run the target once over regenerated data and store its features "
                                              "and top-k distributions for training (resumable)")
     _add_target_args(c)
-    c.add_argument("--data", required=True, type=Path, help="a `jetflow regenerate` output directory")
+    _add_data_arg(c)
     c.add_argument("--out", required=True, type=Path)
     c.add_argument("--top-k", type=_positive_int, default=32, help="teacher tokens kept per position")
     c.add_argument("--layers", default=None, help="tapped target layers, e.g. 1,8,14,20,27 (default: the "

@@ -136,6 +136,35 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert "manifest.json" in capsys.readouterr().err
 
 
+def test_cache_and_train_on_several_data_directories(tiny_dir, tmp_path, capsys):
+    """A cache over one regeneration is extended to a second one given after it: the full parts
+    already built are kept (not recomputed), and training reads both directories in order."""
+    for name, n in (("a", 6), ("b", 3)):
+        prompts = tmp_path / f"{name}.jsonl"
+        prompts.write_text("\n".join(json.dumps({"id": f"{name}{i}", "prompt": f"{name} question {i}"}) for i in range(n)))
+        assert main(["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "10",
+                     "--out", str(tmp_path / name)]) == 0
+    cache = ["cache-teacher", "--target", str(tiny_dir), "--out", str(tmp_path / "cache"), "--top-k", "8",
+             "--part-size", "4", "--data", str(tmp_path / "a")]
+    assert main(cache) == 0
+    first = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert main(cache + ["--data", str(tmp_path / "b")]) == 0
+    both = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert both["num_sequences"] == 9 and both["source"] == f"{tmp_path / 'a'},{tmp_path / 'b'}"
+    assert both["parts"]["part-00000.safetensors"] == first["parts"]["part-00000.safetensors"]  # kept as built
+    assert both["parts"]["part-00001.safetensors"] != first["parts"]["part-00001.safetensors"]  # 2 -> 4 sequences
+    capsys.readouterr()
+    train = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "a"), "--data", str(tmp_path / "b"),
+             "--out", str(tmp_path / "run"), "--block-size", "4", "--layers", "1", "--batch", "1", "--epochs", "1",
+             "--warmup", "1", "--teacher-cache", str(tmp_path / "cache")]
+    assert main(train) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_sequences"] == 8  # 9, 1 held out
+    swapped = train[:4] + [str(tmp_path / "b"), "--data", str(tmp_path / "a")] + train[7:]
+    assert main(swapped[:-2] + ["--resume"]) == 2 and "other sequences" in capsys.readouterr().err
+    assert main(train[:7] + ["--data", str(tmp_path / "a")] + train[7:]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
 def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys):
     """regenerate -> cache-teacher (killed and resumed) -> train with the cache, a reduced vocabulary
     and snapshots; bad options are refused with a message."""

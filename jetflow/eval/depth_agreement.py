@@ -191,7 +191,7 @@ def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teach
     """Per-depth agreement of each drafter checkpoint (block or EAGLE) on a range of regenerated
     sequences; features and the target's top-1 from ``teacher_cache`` or the target run online."""
     from jetflow.eval.offline_acceptance import eval_teacher, parse_range
-    from jetflow.training.trainer import load_sequences
+    from jetflow.training.trainer import data_label, load_sequences
 
     sequences = load_sequences(data_dir, target)
     start, end = parse_range(seq_range, len(sequences))
@@ -206,6 +206,6 @@ def evaluate_agreement(target: TargetModel, drafters: list[str], data_dir, teach
         results[str(path)] = {"kind": head.config.kind, **summary, "seconds": round(time.perf_counter() - t0, 1)}
         log(f"{path} ({head.config.kind}): agreement " + " ".join(f"{a:.3f}" for a in summary["agreement"])
             + " | prefix " + " ".join(f"{a:.3f}" for a in summary["prefix_agreement"]))
-    return {"data": str(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
+    return {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
             "sequences": [start, end], "max_depth": max_depth, "path_conditioned": path_conditioned,
             "drafters": results}

@@ -242,7 +242,7 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
-    from jetflow.training.trainer import load_sequences
+    from jetflow.training.trainer import data_label, load_sequences
 
     sequences = load_sequences(data_dir, target)
     start, end = parse_range(seq_range, len(sequences))
@@ -259,6 +259,6 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
                               "refine": head.config.path_refine if refine is None else refine}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
-    return {"data": str(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
+    return {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
             "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
             "budgets": list(budgets), "drafters": results}

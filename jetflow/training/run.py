@@ -34,11 +34,11 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
     return head
 
 
-def train_drafter(target: TargetModel, data: str | Path, out: str | Path, config: TrainConfig, *,
+def train_drafter(target: TargetModel, data: str | Path | list[str | Path], out: str | Path, config: TrainConfig, *,
                   init_from: str | Path | None = None, max_sequences: int | None = None,
                   teacher_cache: str | Path | None = None, resume: bool = False, max_steps: int | None = None,
                   snapshot_at: tuple[float, ...] = ()) -> dict:
-    """Train a drafter on regeneration dir ``data`` into ``out``; returns :meth:`Trainer.fit`'s summary.
+    """Train a drafter on regeneration dir(s) ``data`` into ``out``; returns :meth:`Trainer.fit`'s summary.
     An ``out`` holding a run is continued with ``resume`` and refused without (never overwritten);
     ``snapshot_at``: fractions of the total steps at which a copy of the drafter is kept."""
     head = warm_start_head(init_from, target, config) if init_from else None

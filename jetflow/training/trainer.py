@@ -30,7 +30,7 @@ from jetflow.training.eagle_objective import eagle_sequence_loss
 from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
-from jetflow.training.teacher_cache import TeacherCache
+from jetflow.training.teacher_cache import TeacherCache, tokens_digest
 from jetflow.utils.fs import replace_directory
 
 # Head kind -> loss of one sequence (the block head drafts all depths at once; the EAGLE head is unrolled).
@@ -107,10 +107,37 @@ class TrainConfig:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
 
-def load_sequences(data_dir: Path, target: TargetModel, max_sequences: int | None = None) -> list[Sequence]:
-    """All sequences of a regeneration directory (the first ``max_sequences`` in shard order, for
-    learning curves over data size), checked against the target."""
-    data_dir = Path(data_dir)
+def load_sequences(data: str | Path | list[str | Path], target: TargetModel,
+                   max_sequences: int | None = None) -> list[Sequence]:
+    """All sequences of one or more regeneration directories, in the order given and shard order
+    within each (the first ``max_sequences`` of them, for learning curves over data size), checked
+    against the target. A directory that keeps growing (a regeneration still running) goes last:
+    the sequences before it then keep their places."""
+    dirs = data_dirs(data)
+    if not dirs:
+        raise JetFlowError("no regenerated data directory given")
+    if len(set(d.resolve() for d in dirs)) < len(dirs):
+        raise JetFlowError(f"a data directory is given twice: {', '.join(map(str, dirs))}")
+    sequences = [s for d in dirs for s in _directory_sequences(d, target)]
+    if max_sequences is None:
+        return sequences
+    if max_sequences > len(sequences):
+        raise JetFlowError(f"--max-sequences {max_sequences}: {data_label(dirs)} "
+                           f"{'holds' if len(dirs) == 1 else 'hold'} only {len(sequences)}")
+    return sequences[:max_sequences]
+
+
+def data_dirs(data: str | Path | list[str | Path]) -> list[Path]:
+    """One regeneration directory or several, as a list."""
+    return [Path(data)] if isinstance(data, (str, Path)) else [Path(d) for d in data]
+
+
+def data_label(data: str | Path | list[str | Path]) -> str:
+    """The directories as reports and manifests name them: comma-separated, in order."""
+    return ",".join(map(str, data_dirs(data)))
+
+
+def _directory_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
     manifest_file = data_dir / "manifest.json"
     if not manifest_file.is_file():
         raise JetFlowError(f"{data_dir} has no manifest.json: not a `jetflow regenerate` output")
@@ -126,15 +153,11 @@ def load_sequences(data_dir: Path, target: TargetModel, max_sequences: int | Non
         raise JetFlowError(f"{data_dir} holds no sequences with an answer of 2+ tokens")
     too_long = [s.prompt_id for s in sequences if len(s.token_ids) > target.max_context]
     if too_long:
-        raise JetFlowError(f"{len(too_long)} sequences exceed the target's context ({target.max_context}), "
+        raise JetFlowError(f"{data_dir}: {len(too_long)} sequences exceed the target's context ({target.max_context}), "
                            f"e.g. {too_long[0]}")
     if max(max(s.token_ids) for s in sequences) >= target.vocab_size:
         raise JetFlowError(f"{data_dir} holds token ids outside the target's vocabulary")
-    if max_sequences is None:
-        return sequences
-    if max_sequences > len(sequences):
-        raise JetFlowError(f"--max-sequences {max_sequences}: {data_dir} holds only {len(sequences)}")
-    return sequences[:max_sequences]
+    return sequences
 
 
 class Trainer:
@@ -142,6 +165,7 @@ class Trainer:
                  head: DraftHead | None = None, teacher_cache: str | Path | None = None):
         self.target, self.config, self.out = target, config, Path(out_dir)
         self.sequences = sequences
+        self.data_digest = tokens_digest(sequences)  # a run resumes only on the very same sequences
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(config.seed)).tolist()
@@ -262,7 +286,7 @@ class Trainer:
         self.head.save_pretrained(self.out / "drafter")
         with replace_directory(self.out / "trainer_state") as tmp:
             torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "elapsed": self.elapsed,
-                        "config": asdict(self.config)}, tmp / "state.pt")
+                        "config": asdict(self.config), "data_digest": self.data_digest}, tmp / "state.pt")
         plot_training_log(self.out / "train_log.jsonl", self.out / "loss_curve.png")
 
     def resume(self) -> bool:
@@ -272,6 +296,10 @@ class Trainer:
         state = torch.load(state_file, weights_only=False)
         if {**asdict(TrainConfig()), **state["config"]} != asdict(self.config):  # older runs lack newer fields
             raise JetFlowError(f"{self.out} was trained with other settings; resume with the same arguments")
+        if state.get("data_digest", self.data_digest) != self.data_digest:  # older runs lack it
+            raise JetFlowError(f"{self.out} was trained on other sequences (the data directories, their order or "
+                               "--max-sequences differ, or a directory has grown); resume with the same data, e.g. "
+                               "--max-sequences set to the run's count")
         loaded = type(self.head).from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
         self.head.load_state_dict(loaded.state_dict())
         self._bind_vocab()
