@@ -39,6 +39,16 @@ def test_greedy_is_argmax_and_sampling_is_seeded():
     assert len(set(draws())) > 1
 
 
+def test_greedy_takes_the_first_maximum_as_torch_argmax_does():
+    """The CPU fast path (numpy) picks what torch.argmax picks: ties, -inf, NaN, rows of a batch, other dtypes."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.tensor([1.0, 3.0, 3.0, 0.0]), torch.full((5,), float("-inf")),
+            torch.tensor([0.0, float("nan"), 9.0, float("nan")]), torch.randint(0, 3, (49152,), generator=g).float(),
+            torch.randn(3, 7, generator=g)[1], torch.tensor([0.5, 2.0, 2.0], dtype=torch.bfloat16)]
+    for row in rows:
+        assert next_token(row, SamplingParams(), None) == int(row.argmax()), row
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),

@@ -26,7 +26,7 @@ from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.gguf_meta import gguf_file_type
 from jetflow.tree.build import main_chain_nodes
-from jetflow.tree.mask import check_parents, tree_depths
+from jetflow.tree.mask import check_parents, is_chain, tree_depths
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
 DEFAULT_BATCH = 512  # prefill chunk and the largest tree one decode takes (as llama-cpp-python's Llama)
@@ -113,6 +113,14 @@ class _Batch:
         self.seq_ids[rows, slot] = cols
         self.logits[:n] = 1
         self.struct.n_tokens = n
+
+
+_CHAIN = np.ones((0, 1), bool)  # the membership of any chain: one path (only its shape is read)
+
+
+def _address(pointer) -> int:
+    """The address a ctypes pointer returned by llama.cpp holds."""
+    return ctypes.cast(pointer, ctypes.c_void_p).value
 
 
 def path_membership(parents: Sequence[int]) -> np.ndarray:
@@ -297,14 +305,18 @@ class LlamaCppTarget(OwnsLlamaContext):
             raise LlamaCppError(f"{what}: llama_decode failed with code {rc}")
 
     def _outputs(self, n_rows: int, n_tokens: int, return_hidden: bool) -> TargetOutput:
-        ptr = self._lib.llama_get_logits(self._ctx)
-        logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_rows, self.vocab_size)).copy())
+        # Copied out with one memmove per buffer: per-call ctypes array views cost more than the
+        # copy, and a plain decoding round is only ~15 ms on 2 cores.
+        logits = np.empty((n_rows, self.vocab_size), np.float32)
+        ctypes.memmove(logits.ctypes.data, _address(self._lib.llama_get_logits(self._ctx)), logits.nbytes)
         hidden = None
         if return_hidden:
-            parts = [np.ctypeslib.as_array(self._ext["get_layer_inp"](self._ctx, t + 1),
-                                           shape=(n_tokens, self.hidden_size)) for t in self.tapped_layers]
-            hidden = torch.from_numpy(np.concatenate(parts, axis=1))
-        return TargetOutput(logits, hidden)
+            taps = np.empty((len(self.tapped_layers), n_tokens, self.hidden_size), np.float32)
+            for i, t in enumerate(self.tapped_layers):
+                ctypes.memmove(taps[i].ctypes.data, _address(self._ext["get_layer_inp"](self._ctx, t + 1)),
+                               taps[i].nbytes)
+            hidden = torch.from_numpy(taps.transpose(1, 0, 2).reshape(n_tokens, -1))
+        return TargetOutput(torch.from_numpy(logits), hidden)
 
     # ------------------------------------------------------------------ forwards
     def prefill(self, prompt_ids, return_hidden: bool = True) -> TargetOutput:
@@ -327,7 +339,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         return TargetOutput(out.logits, torch.cat(hidden) if hidden else None)
 
     def verify(self, tokens, parents: Sequence[int], return_hidden: bool = True) -> TargetOutput:
-        ids = np.asarray(torch.as_tensor(tokens).flatten().tolist(), dtype=np.int32)
+        ids = np.asarray(tokens.flatten().tolist() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int32)
         parents = [int(p) for p in parents]
         n = ids.size
         if n == 0 or n != len(parents):
@@ -336,19 +348,21 @@ class LlamaCppTarget(OwnsLlamaContext):
         m = redo.size
         if n + m > self.n_batch:
             raise InvalidRequestError(f"tree of {n} nodes exceeds the llama.cpp batch of {self.n_batch - m} tokens")
-        check_parents(parents)
+        chain = is_chain(parents)  # plain rounds and extend(): no tree bookkeeping
+        if not chain:
+            check_parents(parents)
         self._drop_pending()
-        depths = np.asarray(tree_depths(parents), dtype=np.int32)
-        if self.past_len + int(depths.max()) + 1 > self.max_context:
+        depths = None if chain else np.asarray(tree_depths(parents), dtype=np.int32)
+        if self.past_len + (n if chain else int(depths.max()) + 1) > self.max_context:
             raise InvalidRequestError(f"tree would extend past the context of {self.max_context} tokens")
         if (ids < 0).any() or (ids >= self.vocab_size).any():
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
-        member = path_membership(parents)
+        member = _CHAIN if chain else path_membership(parents)
         if member.shape[1] > MAX_SEQ:
             raise InvalidRequestError(f"tree has {member.shape[1]} leaves; llama.cpp verifies at most {MAX_SEQ} paths")
         order = None
         if member.shape[1] == 1:  # a chain: sequence 0 alone
-            self._batch.chain(np.concatenate([redo, ids]), self.past_len - m, all_logits=True)
+            self._batch.chain(np.concatenate([redo, ids]) if m else ids, self.past_len - m, all_logits=True)
         else:
             for k in range(1, member.shape[1]):  # the prefix becomes part of every path
                 self._lib.llama_memory_seq_cp(self._mem, 0, k, -1, -1)
@@ -366,7 +380,9 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._pending_tokens, self._pending_parents, self._pending_members = ids.tolist(), parents, member
         self._pending_order = order
         out = self._outputs(n + m, n + m, return_hidden)
-        rows = torch.arange(m, m + n) if order is None else m + torch.from_numpy(np.argsort(order))  # node order
+        if order is None:  # rows already in node order
+            return TargetOutput(out.logits[m:], out.hidden[m:] if out.hidden is not None else None)
+        rows = m + torch.from_numpy(np.argsort(order))  # node order
         return TargetOutput(out.logits[rows], out.hidden[rows] if out.hidden is not None else None)
 
     def commit(self, nodes: Sequence[int]) -> None:
