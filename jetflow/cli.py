@@ -238,6 +238,14 @@ def cmd_cache_teacher(args) -> int:
     return 0
 
 
+def cmd_data_stats(args) -> int:
+    from jetflow.data.stats import data_stats, format_stats
+
+    stats = data_stats(args.data, long_answer=args.long_answer)
+    print(json.dumps(stats) if args.json else format_stats(stats))
+    return 0
+
+
 def cmd_eval_offline(args) -> int:
     from jetflow.eval.offline_acceptance import evaluate_drafters
     from jetflow.utils.fs import write_json_atomic
@@ -496,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache only the first N sequences of --data in shard order (what `train --max-sequences` "
                         "will read)")
     c.set_defaults(func=cmd_cache_teacher)
+    ds = sub.add_parser("data-stats", help="what regenerated data holds: answer tokens per prompt source, long "
+                                           "answers, backend and tokens/s of each directory")
+    _add_data_arg(ds)
+    ds.add_argument("--long-answer", type=_positive_int, default=500, help="count answers of at least this many tokens")
+    ds.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    ds.set_defaults(func=cmd_data_stats)
     o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget on held-out regenerated "
                                             "sequences, decoding replayed without the target (for ablations)")
     _add_offline_eval_args(o, "block-head checkpoint (repeat to compare)")

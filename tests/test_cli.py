@@ -138,7 +138,10 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
 
 def test_cache_and_train_on_several_data_directories(tiny_dir, tmp_path, capsys):
     """A cache over one regeneration is extended to a second one given after it: the full parts
-    already built are kept (not recomputed), and training reads both directories in order."""
+    already built are kept (not recomputed), and training reads both directories in order;
+    data-stats counts their answer tokens by prompt source."""
+    from jetflow.data.shards import list_shards, read_shard
+
     for name, n in (("a", 6), ("b", 3)):
         prompts = tmp_path / f"{name}.jsonl"
         prompts.write_text("\n".join(json.dumps({"id": f"{name}{i}", "prompt": f"{name} question {i}"}) for i in range(n)))
@@ -163,6 +166,15 @@ def test_cache_and_train_on_several_data_directories(tiny_dir, tmp_path, capsys)
     assert main(swapped[:-2] + ["--resume"]) == 2 and "other sequences" in capsys.readouterr().err
     assert main(train[:7] + ["--data", str(tmp_path / "a")] + train[7:]) == 2
     assert "given twice" in capsys.readouterr().err
+    assert main(["data-stats", "--data", str(tmp_path / "a"), "--data", str(tmp_path / "b"), "--json",
+                 "--long-answer", "10"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    answers = {f"{d}.jsonl": sum(s.answer_len for p in list_shards(tmp_path / d) for s in read_shard(p)) for d in "ab"}
+    assert stats["sequences"] == 9 and stats["answer_tokens"] == sum(answers.values()) > 0
+    assert {k: v["answer_tokens"] for k, v in stats["sources"].items()} == answers
+    assert stats["answers_of_10_tokens_or_more"] == sum(v["answers_of_10_or_more"] for v in stats["sources"].values())
+    assert [v["shards"] for v in stats["directories"].values()] == [1, 1]
+    assert main(["data-stats", "--data", str(tmp_path / "cache")]) == 2 and "no token shards" in capsys.readouterr().err
 
 
 def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys):

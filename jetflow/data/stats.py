@@ -1,0 +1,61 @@
+"""What a set of regenerated data holds: sequences and answer tokens per prompt source, how many
+answers run long, and how fast each directory was produced (from its manifest).
+
+A prompt id is ``source/index`` (e.g. ``sharegpt/123``), so the source of every sequence is known
+without the prompts themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from jetflow.data.shards import list_shards, read_shard
+from jetflow.errors import JetFlowError
+
+
+def data_stats(dirs: list[Path], long_answer: int = 500) -> dict:
+    """Totals, per-source counts and shares, and per-directory production stats of ``dirs``."""
+    sequences, answer_tokens, long_answers = Counter(), Counter(), Counter()
+    per_dir = {}
+    for d in dirs:
+        shards = list_shards(d)
+        if not shards:
+            raise JetFlowError(f"{d} holds no token shards (shard-NNNNN.npz): not a `jetflow regenerate` output")
+        manifest = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").is_file() else {}
+        records = manifest.get("shards", {})
+        seconds = sum(r.get("seconds", 0.0) for r in records.values())
+        tokens = sum(r.get("answer_tokens", 0) for r in records.values())
+        n = 0
+        for path in shards:
+            for s in read_shard(path):
+                source = s.prompt_id.split("/", 1)[0]
+                sequences[source] += 1
+                answer_tokens[source] += s.answer_len
+                long_answers[source] += s.answer_len >= long_answer
+                n += 1
+        per_dir[str(d)] = {"shards": len(shards), "sequences": n,
+                           "backends": sorted({r["backend"] for r in records.values() if "backend" in r}),
+                           "answer_tokens_per_s": tokens / seconds if seconds else None}
+    total = sum(answer_tokens.values())
+    return {"sequences": sum(sequences.values()), "answer_tokens": total,
+            f"answers_of_{long_answer}_tokens_or_more": sum(long_answers.values()),
+            "sources": {src: {"sequences": sequences[src], "answer_tokens": answer_tokens[src],
+                              "share": answer_tokens[src] / total if total else 0.0,
+                              f"answers_of_{long_answer}_or_more": long_answers[src]}
+                        for src in sorted(answer_tokens, key=answer_tokens.get, reverse=True)},
+            "directories": per_dir}
+
+
+def format_stats(stats: dict) -> str:
+    lines = [f"{stats['sequences']} sequences, {stats['answer_tokens']:,} answer tokens", "",
+             "| source | sequences | answer tokens | share |", "|---|---|---|---|"]
+    for src, row in stats["sources"].items():
+        lines.append(f"| {src} | {row['sequences']} | {row['answer_tokens']:,} | {row['share']:.1%} |")
+    lines.append("")
+    for d, row in stats["directories"].items():
+        rate = row["answer_tokens_per_s"]
+        lines.append(f"{d}: {row['shards']} shards, {row['sequences']} sequences, backend "
+                     f"{','.join(row['backends']) or '?'}, " + (f"{rate:.1f} answer tokens/s" if rate else "no timing"))
+    return "\n".join(lines)
