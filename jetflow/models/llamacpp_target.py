@@ -285,7 +285,9 @@ class LlamaCppTarget(OwnsLlamaContext):
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        self._lib.llama_memory_clear(self._mem, True)
+        # Cells only (data=False): freed cells are masked out, so their stale contents never count,
+        # and zeroing the whole KV buffer would cost every request ~11 ms (SmolLM2, 4k context, here).
+        self._lib.llama_memory_clear(self._mem, False)
         self.past_len = 0
         self.token_ids: list[int] = []
         self._pending_tokens: list[int] = []
