@@ -80,6 +80,8 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """The target's next token for 1-D ``logits``: argmax when greedy, else a sample."""
     if params.greedy:
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            return int(logits.detach().numpy().argmax())  # same first-maximum rule; much faster than torch here (benchmarks/llamacpp_step_overhead.py)
+            # numpy: the same first-maximum rule, much faster than torch's on a full-vocabulary row
+            # (benchmarks/llamacpp_step_overhead.py)
+            return int(logits.detach().numpy().argmax())
         return int(logits.argmax())
     return sample(target_probs(logits, params), generator)
