@@ -145,6 +145,15 @@ def test_cached_teacher_gives_the_online_loss_and_trains_a_reduced_vocab_head(ta
     assert lossless_tau(jf, seqs, trainer.train_set) > 2.5
     assert (tmp_path / "reduced" / "loss_curve.png").stat().st_size > 1000
 
+    # A warm start on other data keeps the learned weights and takes the new data's vocabulary.
+    from jetflow.training.run import warm_start_head
+    other = [Sequence(f"other/{i}", list(range(100, 110)) + list(range(120, 160)) * 2, 10) for i in range(6)]
+    warm = Trainer(target, other, tmp_path / "warm", config(draft_vocab=48),
+                   head=warm_start_head(tmp_path / "reduced" / "drafter", target, config(draft_vocab=48)))
+    assert set(range(120, 160)) <= set(warm.head.draft_ids.tolist())  # every answer token of the new data
+    assert warm.head.draft_ids.tolist() != head.draft_ids.tolist()
+    torch.testing.assert_close(warm.head.fc.weight, head.fc.weight.float())
+
 
 def test_two_process_data_parallel_matches_one_process(tiny_dir, tmp_path):
     """torchrun with 2 gloo processes x 1 sequence gives the first-step loss of 1 process x 2."""

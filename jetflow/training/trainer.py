@@ -180,10 +180,13 @@ class Trainer:
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
                 depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm,
                 slot_token_gain=config.slot_token_gain, shift_tokens=config.shift_tokens))
-            if vocab:  # the most frequent answer tokens of the training split, stop tokens always in
-                counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
-                required = target.stop_token_ids()
-                head.set_draft_vocab(select_draft_vocab(counts, vocab, required))
+        if head.config.reduced_vocab:
+            # The most frequent answer tokens of this run's training split, stop tokens always in. A
+            # warm-started head takes them too: its output rows are the target's LM-head rows, so no
+            # learned weight depends on which tokens they are, and new data (e.g. more chat) brings
+            # its own frequent tokens. A resumed run loads its saved vocabulary over this one.
+            counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
+            head.set_draft_vocab(select_draft_vocab(counts, head.config.draft_vocab_size, target.stop_token_ids()))
         self.head = head.to(target.device).train()
         if config.reveal > 0:  # the checkpoint says its head can run the path-conditioned pass
             self.head.config.path_refine = True
