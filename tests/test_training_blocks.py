@@ -8,7 +8,7 @@ from jetflow.training.losses import block_loss, depth_weights, slot_losses
 @pytest.mark.parametrize("causal", [True, False])
 def test_training_mask_matches_brute_force(causal):
     anchors, T, B = torch.tensor([3, 5, 9]), 12, 4
-    mask = training_mask(anchors, T, B, causal)
+    mask = training_mask(anchors, T, B, causal).dense()
     assert mask.shape == (3 * B, T + 3 * B)
     for q in range(3 * B):
         block, slot = divmod(q, B)
@@ -114,3 +114,26 @@ def test_training_forward_equals_inference_drafting(tokenizer, attention, feed_l
         drafter = BlockDrafter(head, target)
         drafter.extend(features[:a])
         torch.testing.assert_close(train_lp[i], drafter.depth_logprobs(int(tokens[a]), a), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3)])
+def test_block_attention_equals_attention_under_the_dense_mask(causal, heads, kv_heads):
+    import torch.nn.functional as F
+
+    from jetflow.models.layers import block_attention
+
+    g = torch.Generator().manual_seed(0)
+    anchors, T, B, d = torch.tensor([2, 5, 6, 11]), 13, 4, 8
+    mask = training_mask(anchors, T, B, causal)
+    q = torch.randn(heads, 4 * B, d, generator=g, requires_grad=True)
+    ctx_k, ctx_v, k, v = (torch.randn(kv_heads, n, d, generator=g, requires_grad=True)
+                          for n in (T, T, 4 * B, 4 * B))
+    out = block_attention(q, ctx_k, ctx_v, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], -2), torch.cat([ctx_v, v], -2),
+                                         attn_mask=mask.dense(), enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(ref.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, ctx_k, ctx_v, k, v))
+    for got, want in zip(grads, torch.autograd.grad((ref * w).sum(), (q, ctx_k, ctx_v, k, v))):
+        torch.testing.assert_close(got, want)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jetflow.models.layers import BlockMask
+
 
 @dataclass
 class BlockBatch:
@@ -72,13 +74,9 @@ def answer_anchors(prompt_len: int, seq_len: int) -> torch.Tensor:
     return torch.arange(prompt_len, max(prompt_len, seq_len - 1))
 
 
-def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool) -> torch.Tensor:
-    """Boolean [K*B, T + K*B] mask over [context positions 0..T-1, all block slots]."""
-    k = anchors.shape[0]
-    slot_anchor = anchors.repeat_interleave(block_size)  # [K*B]
-    ctx = torch.arange(seq_len)[None, :] < slot_anchor[:, None]  # prefix strictly before the anchor
-    block_of = torch.arange(k).repeat_interleave(block_size)
-    depth = torch.arange(block_size).repeat(k)
-    same_block = block_of[:, None] == block_of[None, :]
-    inner = same_block & (depth[None, :] <= depth[:, None]) if causal else same_block
-    return torch.cat([ctx, inner], dim=1)
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool) -> BlockMask:
+    """The mask of K blocks over [context positions 0..T-1, all K*B block slots]: each slot sees the
+    prefix before its own anchor and the slots of its own block (causal: those up to itself)."""
+    ctx = torch.arange(seq_len)[None, :] < anchors.repeat_interleave(block_size)[:, None]  # [K*B, T]
+    inner = torch.ones(block_size, block_size, dtype=torch.bool)
+    return BlockMask(ctx, inner.tril() if causal else inner)
