@@ -56,7 +56,8 @@ def main() -> None:
         prompts = next(c["prompts"] for c in cells if c)
         taus = [f"{c['tau']:.2f} ({c['rounds']} rounds)" if c else "" for c in cells]
         identical = all(c["identical"] for c in cells if c)
-        print(f"| {key[0]} | {key[1]} | {key[2]} | {prompts} | " + " | ".join(taus) + f" | {'yes' if identical else 'NO'} |")
+        same = "yes" if identical else "NO"
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {prompts} | " + " | ".join(taus) + f" | {same} |")
         table.append({"dataset": key[0], "method": key[1], "budget": key[2],
                       **{label: labels[label].get(key) for label in labels}})
     if args.out:

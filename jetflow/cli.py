@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal block heads: each slot reads the token of the slot before it instead of its own "
                         "(so the slot after a revealed path token gets it as input; revealed slots stay supervised)")
     t.add_argument("--init-from", default=None,
-                   help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and schedule, and a reduced vocabulary chosen again from this run's data")
+                   help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and "
+                        "schedule, and a reduced vocabulary chosen again from this run's data")
     t.add_argument("--snapshot-at", default=None,
                    help="keep drafter copies at these fractions of training, e.g. 0.25,0.5 (learning curves)")
     t.set_defaults(func=cmd_train)
