@@ -241,7 +241,7 @@ def cmd_cache_teacher(args) -> int:
 def cmd_data_stats(args) -> int:
     from jetflow.data.stats import data_stats, format_stats
 
-    stats = data_stats(args.data, long_answer=args.long_answer)
+    stats = data_stats(args.data, long_answer=args.long_answer, drafters=[Path(d) for d in args.drafter])
     print(json.dumps(stats) if args.json else format_stats(stats))
     return 0
 
@@ -509,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "answers, backend and tokens/s of each directory")
     _add_data_arg(ds)
     ds.add_argument("--long-answer", type=_positive_int, default=500, help="count answers of at least this many tokens")
+    ds.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                    help="also count the share of answer tokens inside this drafter's draft vocabulary (repeat)")
     ds.add_argument("--json", action="store_true", help="print the numbers as JSON")
     ds.set_defaults(func=cmd_data_stats)
     o = sub.add_parser("eval-offline", help="greedy tau of block heads vs budget on held-out regenerated "

@@ -203,6 +203,19 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(train) == 0
     cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 40
+    # data-stats: the share of answer tokens the reduced vocabulary covers, counted one by one here
+    from jetflow.data.shards import list_shards, read_shard
+    from jetflow.models.checkpoint import load_drafter
+
+    capsys.readouterr()
+    drafter = str(tmp_path / "run" / "drafter")
+    assert main(["data-stats", "--data", str(tmp_path / "data"), "--drafter", drafter, "--json"]) == 0
+    cover = json.loads(capsys.readouterr().out)["draft_vocabulary_coverage"][drafter]
+    ids = set(load_drafter(drafter).draft_ids.tolist())
+    answers = [t for p in list_shards(tmp_path / "data") for s in read_shard(p) for t in s.token_ids[s.prompt_len:]]
+    assert cover["all"] == pytest.approx(sum(t in ids for t in answers) / len(answers))
+    assert main(["data-stats", "--data", str(tmp_path / "data"), "--drafter", str(tmp_path)]) == 2
+    assert "not a drafter checkpoint" in capsys.readouterr().err
     assert len(list((tmp_path / "run" / "snapshots").iterdir())) == 1
     capsys.readouterr()
     assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",

@@ -2,7 +2,8 @@
 answers run long, and how fast each directory was produced (from its manifest).
 
 A prompt id is ``source/index`` (e.g. ``sharegpt/123``), so the source of every sequence is known
-without the prompts themselves.
+without the prompts themselves. Given drafters, it also counts how much of each source's answer
+text their draft vocabulary covers: a reduced-vocabulary head never proposes the other tokens.
 """
 
 from __future__ import annotations
@@ -11,13 +12,32 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from jetflow.data.shards import list_shards, read_shard
 from jetflow.errors import JetFlowError
 
 
-def data_stats(dirs: list[Path], long_answer: int = 500) -> dict:
-    """Totals, per-source counts and shares, and per-directory production stats of ``dirs``."""
+def draft_vocabulary(drafter: Path) -> np.ndarray | None:
+    """Target ids a drafter checkpoint can propose (sorted), or None for a full-vocabulary head."""
+    from safetensors import safe_open
+
+    weights = Path(drafter) / "model.safetensors"
+    if not weights.is_file():
+        raise JetFlowError(f"{drafter} is not a drafter checkpoint (no model.safetensors)")
+    with safe_open(str(weights), "np") as f:
+        if "d2t" not in f.keys():
+            return None
+        d2t = f.get_tensor("d2t")  # offsets: draft id i is target id i + d2t[i]
+    return np.arange(len(d2t)) + d2t
+
+
+def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = ()) -> dict:
+    """Totals, per-source counts and shares, and per-directory production stats of ``dirs``; with
+    ``drafters``, the share of each source's answer tokens inside each one's draft vocabulary."""
     sequences, answer_tokens, long_answers = Counter(), Counter(), Counter()
+    vocabs = {str(d): draft_vocabulary(d) for d in drafters}
+    covered = {name: Counter() for name in vocabs}
     per_dir = {}
     for d in dirs:
         shards = list_shards(d)
@@ -34,6 +54,9 @@ def data_stats(dirs: list[Path], long_answer: int = 500) -> dict:
                 sequences[source] += 1
                 answer_tokens[source] += s.answer_len
                 long_answers[source] += s.answer_len >= long_answer
+                answer = np.asarray(s.token_ids[s.prompt_len:])
+                for name, vocab in vocabs.items():
+                    covered[name][source] += s.answer_len if vocab is None else int(np.isin(answer, vocab).sum())
                 n += 1
         per_dir[str(d)] = {"shards": len(shards), "sequences": n,
                            "backends": sorted({r["backend"] for r in records.values() if "backend" in r}),
@@ -45,7 +68,12 @@ def data_stats(dirs: list[Path], long_answer: int = 500) -> dict:
                               "share": answer_tokens[src] / total if total else 0.0,
                               f"answers_of_{long_answer}_or_more": long_answers[src]}
                         for src in sorted(answer_tokens, key=answer_tokens.get, reverse=True)},
-            "directories": per_dir}
+            "directories": per_dir,
+            **({"draft_vocabulary_coverage": {
+                name: {"all": sum(c.values()) / total if total else 0.0,
+                       "sources": {src: c[src] / answer_tokens[src] if answer_tokens[src] else 0.0
+                                   for src in sorted(answer_tokens, key=answer_tokens.get, reverse=True)}}
+                for name, c in covered.items()}} if vocabs else {})}
 
 
 def format_stats(stats: dict) -> str:
@@ -58,4 +86,7 @@ def format_stats(stats: dict) -> str:
         rate = row["answer_tokens_per_s"]
         lines.append(f"{d}: {row['shards']} shards, {row['sequences']} sequences, backend "
                      f"{','.join(row['backends']) or '?'}, " + (f"{rate:.1f} answer tokens/s" if rate else "no timing"))
+    for name, row in stats.get("draft_vocabulary_coverage", {}).items():
+        per_source = ", ".join(f"{src} {share:.1%}" for src, share in row["sources"].items())
+        lines.append(f"draft vocabulary of {name}: {row['all']:.1%} of the answer tokens ({per_source})")
     return "\n".join(lines)
