@@ -3,6 +3,7 @@ from each of five datasets; every difference is listed with its logit margin.
 
     python benchmarks/llamacpp_lossless.py --per-dataset 20 --max-new-tokens 128 \
         --out docs/results/llamacpp/lossless.json
+    python benchmarks/llamacpp_lossless.py --datasets gsm8k --per-dataset 50 --only gsm8k/6 --only gsm8k/10 ...
 
 Resumable: each prompt's record is appended to OUT.jsonl as it finishes; a rerun skips those.
 """
@@ -29,6 +30,9 @@ def main() -> int:
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--budget", default="8")
     ap.add_argument("--per-dataset", type=int, default=20)
+    ap.add_argument("--datasets", default=",".join(DATASETS), help="comma list (default: all five)")
+    ap.add_argument("--only", action="append", default=[], metavar="ID",
+                    help="check only these prompt ids (e.g. gsm8k/6, from a bench's mismatch list; repeat)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", action="store_true")
@@ -58,9 +62,9 @@ def main() -> int:
             rec = LosslessRecord(**json.loads(line))
             done[rec.id] = rec
     with partial.open("a") as log:
-        for dataset in DATASETS:
+        for dataset in args.datasets.split(","):
             for prompt in load_eval_set(dataset, limit=args.per_dataset):
-                if prompt.id in done:
+                if prompt.id in done or (args.only and prompt.id not in args.only):
                     continue
                 rec = check_prompt(jf, llm, prompt, args.max_new_tokens, budget)
                 done[rec.id] = rec
