@@ -19,17 +19,13 @@ from jetflow.errors import JetFlowError
 
 
 def draft_vocabulary(drafter: Path) -> np.ndarray | None:
-    """Target ids a drafter checkpoint can propose (sorted), or None for a full-vocabulary head."""
-    from safetensors import safe_open
+    """Target ids a drafter checkpoint can propose, or None for a full-vocabulary head."""
+    from jetflow.models.checkpoint import load_drafter
 
-    weights = Path(drafter) / "model.safetensors"
-    if not weights.is_file():
+    if not (Path(drafter) / "model.safetensors").is_file():
         raise JetFlowError(f"{drafter} is not a drafter checkpoint (no model.safetensors)")
-    with safe_open(str(weights), "np") as f:
-        if "d2t" not in f.keys():
-            return None
-        d2t = f.get_tensor("d2t")  # offsets: draft id i is target id i + d2t[i]
-    return np.arange(len(d2t)) + d2t
+    ids = load_drafter(drafter).draft_ids  # the head's own d2t reading
+    return None if ids is None else ids.numpy()
 
 
 def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = ()) -> dict:
