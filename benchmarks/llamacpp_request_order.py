@@ -11,7 +11,7 @@ Four ways to answer the same prompts, all greedy, all on the same GGUF and threa
 
 ``llama-ar`` and ``llama-direct`` run identical code, so any difference between them is what the
 position in the turn order does. ``--order rotate`` rotates the order from prompt to prompt (as
-``interleaved_ab.py`` does); ``--order fixed`` runs llama-ar, llama-direct, ar, bare for every
+`jetflow bench` does by default); ``--order fixed`` runs llama-ar, llama-direct, ar, bare for every
 prompt, so each engine's second method follows the same engine.
 
     python benchmarks/llamacpp_request_order.py --order fixed --out order.json

@@ -306,7 +306,7 @@ def cmd_bench(args) -> int:
     summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
-                                    cost_model=not args.no_cost_model)
+                                    cost_model=not args.no_cost_model, interleave=args.order == "interleaved")
     print(json.dumps(summary))
     return 1 if mismatches else 0
 
@@ -559,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per prompt (median kept)")
+    b.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
+                   help="interleaved (default): each prompt goes through every method before the next, the "
+                        "order rotating, so a drift in machine speed falls on all methods alike (a dataset's "
+                        "runs are saved when it ends); sequential: one run after another, each saved as it ends")
     b.add_argument("--no-cost-model", action="store_true", help="skip measuring the verify/draft cost curve")
     b.add_argument("--out", required=True, type=Path)
     b.set_defaults(func=cmd_bench)

@@ -149,6 +149,44 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert set(calls) == {"jetflow"}
 
 
+def test_interleaved_runs_rotate_per_prompt_and_match_sequential_runs(tiny_dir, heads, tmp_path, monkeypatch):
+    from jetflow.eval import methods
+    from jetflow.eval.datasets import EvalPrompt
+    from jetflow.eval.harness import BenchSettings, run_benchmark
+
+    target = TargetModel.load(str(tiny_dir))
+    runner = MethodRunner(target, {"causal": load_drafter(heads["causal"], target=target)}, width=3)
+    prompts = [EvalPrompt("mine", f"p{i}", (f"question {i}",)) for i in range(4)]
+    settings = BenchSettings(target="tiny", drafters={"causal": str(heads["causal"])}, max_new_tokens=6)
+    calls = []
+    real = methods.MethodRunner.run
+
+    def spy(self, spec, request, *, budget, max_new_tokens, **k):
+        if max_new_tokens == settings.max_new_tokens:  # not the 8-token warm-up call
+            calls.append((spec.name, budget, request[-1]["content"]))
+        return real(self, spec, request, budget=budget, max_new_tokens=max_new_tokens, **k)
+
+    monkeypatch.setattr(methods.MethodRunner, "run", spy)
+    specs = parse_methods("jetflow,lookup")
+    runs = run_benchmark(runner, specs, {"mine": prompts}, [4], settings, tmp_path / "i", progress=False)
+    order = [(m, b) for m, b, _ in calls]
+    plan = [("ar", None), ("jetflow", 4), ("lookup", None)]
+    # every prompt through every run before the next prompt, the order rotating by one per prompt
+    assert [q for _, _, q in calls] == [f"question {i}" for i in range(4) for _ in range(3)]
+    assert order == [plan[(i + k) % 3] for i in range(4) for k in range(3)]
+    calls.clear()
+    seq = run_benchmark(runner, specs, {"mine": prompts}, [4], settings, tmp_path / "s", progress=False,
+                        interleave=False)
+    assert [(m, b) for m, b, _ in calls] == [p for p in plan for _ in range(4)]  # one run after another
+    for a, b in zip(runs, seq):
+        assert [r["token_ids"] for r in a["records"]] == [r["token_ids"] for r in b["records"]]
+        assert [r["id"] for r in a["records"]] == [f"p{i}" for i in range(4)] and a["summary"]["mismatches"] == []
+    (tmp_path / "i" / "runs" / "mine__lookup.json").unlink()
+    calls.clear()  # stored runs are reused; only the missing one is run again
+    run_benchmark(runner, specs, {"mine": prompts}, [4], settings, tmp_path / "i", progress=False)
+    assert {m for m, _, _ in calls} == {"lookup"} and len(calls) == 4
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "ar,dflash"], "pass --baseline-drafter"),
     (["--methods", "eagle3"], "'eagle3' needs a eagle3 draft head: pass --eagle-drafter"),

@@ -52,21 +52,22 @@ def test_path_sequence_ids_give_the_tree_mask(seed):
     assert (sees == ancestor_matrix(parents).numpy()).all()
 
 
-def test_lookup_continuation_matches_brute_force():
-    from jetflow.decoding.lookup_drafter import lookup_continuation
+def test_lookup_match_equals_brute_force():
+    from jetflow.decoding.lookup_drafter import lookup_continuation, lookup_match
 
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        hist = rng.integers(0, 4, size=rng.integers(1, 30))
-        got = lookup_continuation(hist, 3, 5)
-        want = []
-        for n in range(min(3, hist.size - 1), 0, -1):
+    for _ in range(2000):
+        hist = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(1, 40)))
+        max_ngram, max_draft = int(rng.integers(1, 5)), int(rng.integers(1, 8))
+        want = (0, [])
+        for n in range(min(max_ngram, hist.size - 1), 0, -1):
             suffix = hist[hist.size - n:].tolist()
             starts = [i for i in range(hist.size - n) if hist[i:i + n].tolist() == suffix]
             if starts:
-                want = hist[starts[-1] + n:starts[-1] + n + 5].tolist()
+                want = (n, hist[starts[-1] + n:starts[-1] + n + max_draft].tolist())
                 break
-        assert got == want
+        assert lookup_match(hist, max_ngram, max_draft) == want, (hist.tolist(), max_ngram, max_draft)
+        assert lookup_continuation(hist, max_ngram, max_draft) == want[1]
 
 
 @pytest.fixture(scope="module")

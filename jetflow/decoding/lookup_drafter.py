@@ -31,19 +31,25 @@ def lookup_continuation(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_dra
 
 def lookup_match(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> tuple[int, list[int]]:
     """(length of the longest suffix n-gram that occurred earlier, the tokens that followed its
-    latest earlier occurrence); (0, []) without a match."""
+    latest earlier occurrence); (0, []) without a match. Runs every round of a drafter with lookup,
+    so it narrows the earlier occurrences of the last token down instead of comparing every window."""
     n_hist = history.size
-    for n in range(min(max_ngram, n_hist - 1), 0, -1):
-        suffix = history[n_hist - n:]
-        # windows[i] = history[i:i+n]; a match must end before the suffix itself starts
-        windows = np.lib.stride_tricks.sliding_window_view(history[:n_hist - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            draft = history[start:start + max_draft].tolist()
-            if draft:
-                return n, draft
-    return 0, []
+    if n_hist < 2:
+        return 0, []
+    # ends: earlier positions e (e < n_hist - 1) where an occurrence of the suffix n-gram would end
+    ends = np.flatnonzero(history[:-1] == history[-1])
+    best = (1, ends) if ends.size else (0, ends)
+    for k in range(1, min(max_ngram, n_hist - 1)):
+        ends = ends[ends >= k]
+        ends = ends[history[ends - k] == history[n_hist - 1 - k]]
+        if not ends.size:
+            break
+        best = (k + 1, ends)
+    n, ends = best
+    if not n:
+        return 0, []
+    start = int(ends[-1]) + 1  # the latest occurrence; what followed it
+    return n, history[start:start + max_draft].tolist()
 
 
 class LookupDrafter:

@@ -25,10 +25,11 @@ CURVE_SIZES = {1, 2, 3, 4, 8, 16, 32, 64}  # draft-node counts whose verify cost
 def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
               budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
-              repeats: int = 1, cost_model: bool = True) -> tuple[dict, int]:
+              repeats: int = 1, cost_model: bool = True, interleave: bool = True) -> tuple[dict, int]:
     """Run ``methods`` on ``datasets`` at ``budgets`` into ``out`` (runs already there are reused).
     ``drafters``: checkpoint per head kind ("causal" may be "auto": the shipped one); only the kinds
-    some method needs are loaded. Returns the summary line (out dir, run count, plot names) and the
+    some method needs are loaded. ``interleave``: time a dataset's runs prompt by prompt (see
+    eval/harness.py). Returns the summary line (out dir, run count, plot names) and the
     number of outputs that differ from ar's (each reported on stderr)."""
     paths = dict(drafters)
     if paths.get("causal") == "auto":
@@ -54,7 +55,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
                              width=width, repeats=repeats)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = run_benchmark(runner, methods, datasets, budgets, settings, out)
+    runs = run_benchmark(runner, methods, datasets, budgets, settings, out, interleave=interleave)
     costs, block = None, None
     if cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
         drafters_used = {kind: d.drafter for kind, d in runner.decoders.items()}

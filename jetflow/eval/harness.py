@@ -1,8 +1,9 @@
 """`jetflow bench`: every (dataset, method, budget) run on the same prompts, with raw per-prompt
 numbers, summaries against the autoregressive baseline, and an equality check of every output.
 
-A run is saved as one JSON file as soon as it ends; a rerun with the same settings reuses it, so a
-killed sweep resumes where it stopped.
+A run is saved as one JSON file; a rerun with the same settings reuses it, so a killed sweep resumes
+where it stopped. By default a dataset's runs are timed interleaved, prompt by prompt, so that
+no method is favoured by when it ran (they are then saved when the dataset ends).
 """
 
 from __future__ import annotations
@@ -59,29 +60,50 @@ def run_name(dataset: str, spec: MethodSpec, budget: int | None) -> str:
 def run_prompts(runner: MethodRunner, spec: MethodSpec, prompts: list[EvalPrompt], budget: int | None,
                 settings: BenchSettings, progress: bool = True) -> list[dict]:
     """One record per (prompt, turn); later turns are asked after the method's own answers."""
-    records = []
     bar = tqdm(prompts, desc=f"{spec.name}" + (f" b{budget}" if budget is not None else ""), unit="prompt",
                disable=not progress, leave=False)
-    for prompt in bar:
-        answers: list[str] = []
-        for turn in range(len(prompt.turns)):
-            request = prompt.request(answers)
-            runs = [runner.run(spec, request, budget=budget, max_new_tokens=settings.max_new_tokens,
-                               temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
-                    for _ in range(settings.repeats)]
-            result = runs[0]
-            stats = result.stats
-            records.append({
-                "id": prompt.id, "turn": turn, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
-                "seconds": statistics.median(r.seconds for r in runs),
-                "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
-                "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
-                "time_split": stats.get("time_split"), "mean_tree_size": stats.get("mean_tree_size"),
-                "round_kinds": stats.get("round_kinds"),
-                "finish_reason": result.finish_reason,
-                "token_ids": result.token_ids, "category": prompt.category,
-            })
-            answers.append(result.text)
+    return [rec for prompt in bar for rec in prompt_records(runner, spec, prompt, budget, settings)]
+
+
+def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, budget: int | None,
+                   settings: BenchSettings) -> list[dict]:
+    """The records of one prompt, one per turn."""
+    records = []
+    answers: list[str] = []
+    for turn in range(len(prompt.turns)):
+        request = prompt.request(answers)
+        runs = [runner.run(spec, request, budget=budget, max_new_tokens=settings.max_new_tokens,
+                           temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
+                for _ in range(settings.repeats)]
+        result = runs[0]
+        stats = result.stats
+        records.append({
+            "id": prompt.id, "turn": turn, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
+            "seconds": statistics.median(r.seconds for r in runs),
+            "seconds_all": [r.seconds for r in runs], "prefill_seconds": result.prefill_seconds,
+            "rounds": stats.get("rounds", 0), "accept_lengths": stats.get("accept_lengths"),
+            "time_split": stats.get("time_split"), "mean_tree_size": stats.get("mean_tree_size"),
+            "round_kinds": stats.get("round_kinds"),
+            "finish_reason": result.finish_reason,
+            "token_ids": result.token_ids, "category": prompt.category,
+        })
+        answers.append(result.text)
+    return records
+
+
+def run_interleaved(runner: MethodRunner, runs: list[tuple[MethodSpec, int | None]], prompts: list[EvalPrompt],
+                    settings: BenchSettings, progress: bool = True) -> list[list[dict]]:
+    """The records of several runs, taken prompt by prompt: each prompt goes through every run
+    before the next prompt, the order rotating by one each prompt, so a drift in the machine's speed
+    (another process, clocks, memory placement) falls on every method alike instead of on whichever
+    runs last. Returns the records per run, in the order of ``runs``."""
+    records: list[list[dict]] = [[] for _ in runs]
+    bar = tqdm(list(enumerate(prompts)), desc=f"{len(runs)} runs interleaved", unit="prompt",
+               disable=not progress, leave=False)
+    for i, prompt in bar:
+        for j in [(i + k) % len(runs) for k in range(len(runs))]:
+            spec, budget = runs[j]
+            records[j] += prompt_records(runner, spec, prompt, budget, settings)
     return records
 
 
@@ -144,15 +166,23 @@ def _agree(reference, output, as_text: bool) -> bool:
     return reference.startswith(output) or output.startswith(reference)
 
 
-def load_or_run(path: Path, key: dict, compute) -> dict:
-    """The run stored at ``path`` when it was made with ``key``; otherwise compute and store it."""
+def load_stored(path: Path, key: dict) -> dict | None:
+    """The run stored at ``path`` if it was made with ``key`` (a damaged file counts as none)."""
     if path.is_file():
         try:
             stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return stored
         except json.JSONDecodeError:
-            pass  # a damaged file is recomputed
+            return None
+        if stored.get("key") == key:
+            return stored
+    return None
+
+
+def load_or_run(path: Path, key: dict, compute) -> dict:
+    """The run stored at ``path`` when it was made with ``key``; otherwise compute and store it."""
+    stored = load_stored(path, key)
+    if stored is not None:
+        return stored
     run = compute()
     run["key"] = key
     write_json_atomic(path, run)
@@ -176,41 +206,59 @@ def report_mismatches(runs: list[dict], greedy: bool) -> int:
 
 
 def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
-                  budgets: list[int], settings: BenchSettings, out_dir: Path, progress: bool = True) -> list[dict]:
-    """All runs (ar first on each dataset), each saved to ``out_dir/runs/NAME.json`` and summarized."""
+                  budgets: list[int], settings: BenchSettings, out_dir: Path, progress: bool = True,
+                  interleave: bool = True) -> list[dict]:
+    """All runs (ar first on each dataset), each saved to ``out_dir/runs/NAME.json`` and summarized.
+    ``interleave``: a dataset's runs that are not stored yet are timed prompt by prompt
+    (:func:`run_interleaved`) and saved when the dataset ends; otherwise one run after another, each
+    saved as it ends."""
     greedy = settings.temperature == 0
     main_ref = reference_method(runner.target)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     warmed: set[str] = set()
+
+    def warm(spec, budget, prompts):
+        if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
+            runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
+            warmed.add(spec.name)
+
     runs = []
     for dataset, prompts in datasets.items():
-        refs: dict[str, list[dict]] = {}  # reference runs of this dataset by method name
+        plan = []  # (spec, budget, stored file, key)
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
-                name = run_name(dataset, spec, budget)
                 key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)])
+                plan.append((spec, budget, out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json", key))
+        fresh = {}
+        pending = [(spec, budget) for spec, budget, path, key in plan if load_stored(path, key) is None]
+        if interleave and len(pending) > 1:
+            for spec, budget in pending:
+                warm(spec, budget, prompts)
+            for (spec, budget), records in zip(pending, run_interleaved(runner, pending, prompts, settings,
+                                                                        progress)):
+                fresh[(spec.name, budget)] = records
+        refs: dict[str, list[dict]] = {}  # reference runs of this dataset by method name
+        for spec, budget, path, key in plan:
+            def compute(spec=spec, budget=budget):
+                if (spec.name, budget) in fresh:
+                    return {"records": fresh[(spec.name, budget)]}
+                warm(spec, budget, prompts)
+                return {"records": run_prompts(runner, spec, prompts, budget, settings, progress)}
 
-                def compute(spec=spec, budget=budget):
-                    if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
-                        runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8,
-                                   chat=prompts[0].chat)
-                        warmed.add(spec.name)
-                    return {"records": run_prompts(runner, spec, prompts, budget, settings, progress)}
-
-                run = load_or_run(out_dir / "runs" / f"{name}.json", key, compute)
-                if spec.name in (main_ref, spec.equals):
-                    refs[spec.name] = run["records"]
-                as_text = None if spec.exact_tokens else (
-                    lambda ids: runner.target.tokenizer.decode(ids, skip_special_tokens=True))
-                run.update(dataset=dataset, method=spec.name, budget=budget,
-                           summary=summarize(run["records"], refs.get(main_ref), greedy,
-                                             refs.get(spec.equals or main_ref), as_text=as_text))
-                write_json_atomic(out_dir / "runs" / f"{name}.json", run)
-                s = run["summary"]
-                if progress:
-                    print(f"{dataset:10s} {spec.name:14s} {'' if budget is None else budget:>5} tau {s['tau']:5.2f} "
-                          f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
-                runs.append(run)
+            run = load_or_run(path, key, compute)
+            if spec.name in (main_ref, spec.equals):
+                refs[spec.name] = run["records"]
+            as_text = None if spec.exact_tokens else (
+                lambda ids: runner.target.tokenizer.decode(ids, skip_special_tokens=True))
+            run.update(dataset=dataset, method=spec.name, budget=budget,
+                       summary=summarize(run["records"], refs.get(main_ref), greedy,
+                                         refs.get(spec.equals or main_ref), as_text=as_text))
+            write_json_atomic(path, run)
+            s = run["summary"]
+            if progress:
+                print(f"{dataset:10s} {spec.name:14s} {'' if budget is None else budget:>5} tau {s['tau']:5.2f} "
+                      f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
+            runs.append(run)
     return runs
 
 
