@@ -178,17 +178,6 @@ def load_stored(path: Path, key: dict) -> dict | None:
     return None
 
 
-def load_or_run(path: Path, key: dict, compute) -> dict:
-    """The run stored at ``path`` when it was made with ``key``; otherwise compute and store it."""
-    stored = load_stored(path, key)
-    if stored is not None:
-        return stored
-    run = compute()
-    run["key"] = key
-    write_json_atomic(path, run)
-    return run
-
-
 def report_mismatches(runs: list[dict], greedy: bool) -> int:
     """Print every output that differs from its reference (ar / llama-ar / torch-ar) under greedy
     decoding; returns how many."""
@@ -224,13 +213,14 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
 
     runs = []
     for dataset, prompts in datasets.items():
-        plan = []  # (spec, budget, stored file, key)
+        plan = []  # (spec, budget, file, key, the run stored there under that key or None)
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
                 key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)])
-                plan.append((spec, budget, out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json", key))
+                path = out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json"
+                plan.append((spec, budget, path, key, load_stored(path, key)))
         fresh = {}
-        pending = [(spec, budget) for spec, budget, path, key in plan if load_stored(path, key) is None]
+        pending = [(spec, budget) for spec, budget, _, _, stored in plan if stored is None]
         if interleave and len(pending) > 1:
             for spec, budget in pending:
                 warm(spec, budget, prompts)
@@ -238,14 +228,13 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                                                                         progress)):
                 fresh[(spec.name, budget)] = records
         refs: dict[str, list[dict]] = {}  # reference runs of this dataset by method name
-        for spec, budget, path, key in plan:
-            def compute(spec=spec, budget=budget):
-                if (spec.name, budget) in fresh:
-                    return {"records": fresh[(spec.name, budget)]}
-                warm(spec, budget, prompts)
-                return {"records": run_prompts(runner, spec, prompts, budget, settings, progress)}
-
-            run = load_or_run(path, key, compute)
+        for spec, budget, path, key, run in plan:
+            if run is None:
+                records = fresh.get((spec.name, budget))
+                if records is None:
+                    warm(spec, budget, prompts)
+                    records = run_prompts(runner, spec, prompts, budget, settings, progress)
+                run = {"records": records, "key": key}
             if spec.name in (main_ref, spec.equals):
                 refs[spec.name] = run["records"]
             as_text = None if spec.exact_tokens else (
