@@ -6,6 +6,8 @@ so that drift hits all alike:
 * ``llama_eval``: one ``Llama.eval([token])`` step (llama-cpp-python's decode and its bookkeeping);
 * ``jetflow_decode``: the ``llama_decode`` call inside JetFlow's ``verify`` of one token;
 * ``jetflow_python``: the rest of ``verify`` + ``commit`` (batch filling, copying logits and taps out);
+* ``jetflow_step_no_taps``: the same step asking for no features, so llama.cpp's layer-input taps are
+  off (JetFlow's autoregressive loop runs so);
 * the prefill of the same prompts on both;
 * greedy argmax of one full-vocabulary row with torch and with numpy.
 
@@ -51,7 +53,8 @@ def main() -> int:
         decode_s.append(time.perf_counter() - t)
 
     target._decode = timed_decode
-    times = {"llama_eval": [], "jetflow_step": [], "jetflow_decode": [], "jetflow_python": []}
+    times = {"llama_eval": [], "jetflow_step": [], "jetflow_decode": [], "jetflow_python": [],
+             "jetflow_step_no_taps": []}
     for _ in range(args.rounds):
         llm.reset()
         llm.eval(context)
@@ -69,6 +72,12 @@ def main() -> int:
             times["jetflow_step"].append(total)
             times["jetflow_decode"].append(decode_s[0])
             times["jetflow_python"].append(total - decode_s[0])
+        target.prefill(context, return_hidden=False)
+        for i in range(args.steps):
+            t = time.perf_counter()
+            target.verify([1234 + i], [-1], return_hidden=False)
+            target.commit([0])
+            times["jetflow_step_no_taps"].append(time.perf_counter() - t)
     report = {"command": ["benchmarks/llamacpp_step_overhead.py", *__import__("sys").argv[1:]],
               "threads": args.threads, "context": args.context,
               "step_ms": {k: {"median": 1e3 * statistics.median(v), "mean": 1e3 * statistics.fmean(v), "n": len(v)}

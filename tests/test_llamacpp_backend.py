@@ -149,6 +149,28 @@ def test_cache_after_rounds_matches_fresh_prefill(llama_target, prompt_ids):
 
 
 @pytest.mark.real
+def test_feature_taps_switch_off_without_changing_logits(llama_target, prompt_ids):
+    """Decoding that reads no features runs without the layer-input taps: its logits are the same
+    bits, and the next forward that asks for features gets them again."""
+    extra = [1234, 567, 8901]
+
+    def run(hidden):
+        outs = [llama_target.prefill(prompt_ids, return_hidden=hidden)]
+        outs += [llama_target.extend([t], return_hidden=hidden) for t in extra]
+        return outs
+
+    with_taps = run(True)
+    without = run(False)
+    assert not llama_target._taps_on and all(o.hidden is None for o in without)
+    for a, b in zip(with_taps, without):
+        assert torch.equal(a.logits, b.logits)
+    again = run(True)
+    assert llama_target._taps_on
+    for a, b in zip(with_taps, again):
+        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.real
 def test_features_match_torch_backend(llama_target, prompt_ids, smollm2):
     """Layer-input taps are the torch backend's tapped layer outputs (up to Q4_1 arithmetic)."""
     smollm2.set_tapped_layers(llama_target.tapped_layers)

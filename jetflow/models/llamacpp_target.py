@@ -207,6 +207,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._shape = gguf_shape(self.gguf, self.vocab_size)
         self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
         self._taps_enabled: set[int] = set()
+        self._taps_on = True
         self._stop_ids = self._eog_ids()
         self.tapped_layers: tuple[int, ...] = ()
         from jetflow.models.target import default_tapped_layers
@@ -278,10 +279,21 @@ class LlamaCppTarget(OwnsLlamaContext):
             raise ValueError(f"tapped layers {list(taps)} must be non-empty ids in [0, {self.num_layers - 1}) "
                              "on the llama.cpp backend")
         wanted = {t + 1 for t in taps}  # output of layer t = input of layer t+1
-        for lid in self._taps_enabled ^ wanted:
-            self._ext["set_layer_inp"](self._ctx, lid, lid in wanted)
+        if self._taps_on:
+            for lid in self._taps_enabled ^ wanted:
+                self._ext["set_layer_inp"](self._ctx, lid, lid in wanted)
         self._taps_enabled = wanted
         self.tapped_layers = taps
+
+    def _compute_taps(self, on: bool) -> None:
+        """Have the next decodes copy out the tapped layer inputs, or not. Copying them costs ~0.4 ms
+        of a ~16 ms one-token step here (benchmarks/bench_llamacpp_taps.py), so decoding that reads
+        no features (autoregressive, regeneration) switches them off; llama.cpp rebuilds its graph
+        once per switch."""
+        if on != self._taps_on:
+            for lid in self._taps_enabled:
+                self._ext["set_layer_inp"](self._ctx, lid, on)
+            self._taps_on = on
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -328,6 +340,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
         self.reset()
+        self._compute_taps(return_hidden)
         hidden, out = [], None
         for start in range(0, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]
@@ -372,6 +385,7 @@ class LlamaCppTarget(OwnsLlamaContext):
             self._batch.tree(np.concatenate([redo, ids[order]]),
                              np.concatenate([np.arange(self.past_len - m, self.past_len), self.past_len + depths[order]]),
                              np.concatenate([np.ones((m, member.shape[1]), bool), member[order]]))
+        self._compute_taps(return_hidden)
         try:
             self._decode("verify")
         except Exception:
