@@ -137,6 +137,8 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
            "budgets": list(budgets), "context": context, "backend": target.backend,
            "backend_threads": getattr(target, "n_threads", None), "int8": getattr(drafter, "int8", False),
            "attention": c.attention}
+    if target.backend == "llamacpp":  # c1 timed with features on, as the loop's plain rounds run
+        key["c1_features"] = True
     if getattr(drafter, "lookup", False):  # only when set, so costs measured before lookup existed still apply
         key["lookup"] = True
     if getattr(getattr(drafter, "primary", drafter), "refine", False):  # a second head pass per draft
