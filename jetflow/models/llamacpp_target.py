@@ -286,10 +286,10 @@ class LlamaCppTarget(OwnsLlamaContext):
         self.tapped_layers = taps
 
     def _compute_taps(self, on: bool) -> None:
-        """Have the next decodes copy out the tapped layer inputs, or not. Copying them costs ~0.4 ms
-        of a ~16 ms one-token step here (benchmarks/bench_llamacpp_taps.py), so decoding that reads
-        no features (autoregressive, regeneration) switches them off; llama.cpp rebuilds its graph
-        once per switch."""
+        """Have the next decodes copy out the tapped layer inputs, or not. They cost ~0.7 ms of a
+        ~14 ms one-token step here (benchmarks/llamacpp_step_overhead.py), so forwards that read no
+        features (the autoregressive loop) switch them off; llama.cpp rebuilds its graph once per
+        switch."""
         if on != self._taps_on:
             for lid in self._taps_enabled:
                 self._ext["set_layer_inp"](self._ctx, lid, on)
