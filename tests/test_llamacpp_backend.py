@@ -237,3 +237,18 @@ def test_generate_batch_equals_llama_greedy_per_prompt():
     from jetflow.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         target.generate_batch([[]], 4)
+
+
+def test_amx_build_refused_with_a_clear_error(monkeypatch):
+    """A llama.cpp build with AMX would die in ggml_backend_amx_mul_mat: refused unless overridden."""
+    from jetflow.models.llamacpp_target import LlamaCppError, check_no_amx
+
+    amx = "CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"
+    monkeypatch.delenv("JETFLOW_ALLOW_LLAMA_AMX", raising=False)
+    with pytest.raises(LlamaCppError, match="AMX.*20824"):
+        check_no_amx(amx)
+    check_no_amx(amx.replace("AMX_INT8 = 1", "AMX_INT8 = 0"))
+    check_no_amx("CPU : AVX2 = 1 | OPENMP = 1 |")
+    monkeypatch.setenv("JETFLOW_ALLOW_LLAMA_AMX", "1")
+    check_no_amx(amx)
+

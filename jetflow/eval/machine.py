@@ -19,9 +19,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The vector extensions that decide this project's speeds: AVX2 vs AVX-512 sets how fast llama.cpp's
+# quantized dot products run, AMX how cheap a batched bf16/int8 matmul (a tree verify) is next to one token.
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`SPEED_FLAGS` the CPU reports (empty where /proc/cpuinfo is missing)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [f for f in SPEED_FLAGS if f in present]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
     cuda = torch.cuda.is_available()
-    return {"platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+    return {"platform": platform.platform(), "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "cuda": torch.cuda.get_device_name() if cuda else None}

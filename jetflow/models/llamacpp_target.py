@@ -42,7 +42,20 @@ def _import_binding():
         from llama_cpp import llama_cpp as lib
     except ImportError as e:
         raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python (`make setup` builds it): {e}") from None
+    check_no_amx(lib.llama_print_system_info().decode(errors="replace"))
     return lib
+
+
+def check_no_amx(system_info: str) -> None:
+    """Refuse a build with llama.cpp's AMX matmul, which crashes the process on the first decode
+    (SIGSEGV in ``ggml_backend_amx_mul_mat`` on Xeon Sapphire Rapids and later; llama.cpp issue 20824,
+    open, no fix) -- a clear error instead of a dead interpreter. ``JETFLOW_ALLOW_LLAMA_AMX=1``
+    accepts such a build for machines where its AMX path works."""
+    if "AMX_INT8 = 1" in system_info and os.environ.get("JETFLOW_ALLOW_LLAMA_AMX") != "1":
+        raise LlamaCppError(
+            "this llama-cpp-python build uses llama.cpp's AMX matmul, which crashes on the first decode "
+            "(ggml_backend_amx_mul_mat, llama.cpp issue 20824); rebuild it without AMX (`make setup` does, "
+            "with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16), or set JETFLOW_ALLOW_LLAMA_AMX=1 to try it anyway")
 
 
 # C++-linkage functions of src/llama-ext.h: bound by their (Itanium) mangled names.
