@@ -34,7 +34,8 @@ def best_runs(runs: list[dict]) -> dict[tuple[str, str], dict]:
 def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None = None,
              block_size: int | None = None) -> str:
     lines = ["# JetFlow benchmark", "",
-             f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, torch "
+             f"Machine: {machine.get('cpu', '?')} ({', '.join(machine.get('cpu_flags') or ['flags unknown'])}), "
+             f"{machine.get('threads', '?')} threads, torch "
              f"{machine.get('torch', '?')}, device {machine.get('device', '?')}.  ",
              f"Target {settings['target']}; {settings['max_new_tokens']} new tokens, temperature "
              f"{settings['temperature']}, width {settings['width']}, {settings['repeats']} timed run(s) per prompt "
