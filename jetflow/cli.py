@@ -316,8 +316,8 @@ def cmd_serve(args) -> int:
 
     from jetflow.serve.server import serve
 
-    jf = _load_jetflow(args)
-    serve(jf, host=args.host, port=args.port, max_queue=args.max_queue,
+    # loaded in the engine's thread: see jetflow/serve/server.py
+    serve(lambda: _load_jetflow(args), host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens)

@@ -94,3 +94,49 @@ def test_prefill_budget_must_be_positive(jf):
 
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         Engine(jf, max_batch=4, max_prefill_tokens=0)
+
+
+def test_serve_loads_and_runs_the_model_in_one_thread_that_is_not_the_main_one(jf):
+    """jetflow serve's engine thread loads, warms up and decodes: the main thread (HTTP) never runs
+    the model, so only one thread has OpenMP workers (jetflow/serve/server.py)."""
+    from jetflow.serve.server import start_engine
+
+    seen = {}
+
+    def load():
+        seen["load"] = threading.current_thread()
+        return jf
+
+    stream = jf.stream
+
+    def recording_stream(*args, **kw):
+        seen["decode"] = threading.current_thread()
+        yield from stream(*args, **kw)
+
+    jf.stream = recording_stream
+    try:
+        loaded, engine = start_engine(load, max_batch=1)
+
+        async def one():
+            job = engine.submit(jf.target.tokenizer.encode("Hi"), {"max_new_tokens": 3})
+            while (await job.events.get())[0] != "done":
+                pass
+
+        asyncio.run(one())
+        engine.shutdown()
+    finally:
+        del jf.stream
+    assert loaded is jf
+    assert seen["load"] is seen["decode"] and seen["load"] is not threading.main_thread()
+    assert engine._stopped.is_set()  # shutdown returned after the worker did
+
+
+def test_serve_reports_a_failed_load_from_the_engine_thread():
+    from jetflow.errors import JetFlowError
+    from jetflow.serve.server import start_engine
+
+    def load():
+        raise JetFlowError("drafter checkpoint directory not found: nowhere")
+
+    with pytest.raises(JetFlowError, match="nowhere"):
+        start_engine(load)

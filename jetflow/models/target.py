@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from jetflow.decoding.prompt import stop_token_ids
 from jetflow.errors import InvalidRequestError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
+from jetflow.models.gqa_attention import use_packed_gqa
 from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.resolve import ResolvedModel, resolve_model
 from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
@@ -55,6 +56,7 @@ class TargetModel:
         prefill_chunk: int = 1024,
     ):
         self.model = model.eval().requires_grad_(False)
+        use_packed_gqa(self.model)  # tree and batched verifies without copying the cache per layer
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config.get_text_config(decoder=True)

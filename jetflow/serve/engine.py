@@ -10,6 +10,10 @@ spread out instead of in waves. With ``max_batch`` = 1 it runs one job at a time
 A job's events (text deltas, then the result or an error) are handed to the event loop with
 ``call_soon_threadsafe``. Cancelling a job (client gone, shutdown) stops it between two decoding
 rounds.
+
+The worker normally gets a thread of its own. ``start=False`` leaves it to the caller to :meth:`run`
+it in a thread of its choosing: ``jetflow serve`` runs the model's loading, warm-up and every forward
+in one thread (jetflow/serve/server.py says why).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class Job:
 
 class Engine:
     def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1,
-                 max_prefill_tokens: int = 256):
+                 max_prefill_tokens: int = 256, start: bool = True):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.jetflow = jetflow
@@ -72,9 +76,18 @@ class Engine:
                 self._load_budget = LoadBudget(jetflow.adaptive_budget().costs)  # the batch's context and drafter are made and warmed before the first client
             self._decoder = self._new_decoder()
             self._warm_up(self._decoder)
-        work = self._work_batched if self.max_batch > 1 else self._work
-        self._thread = threading.Thread(target=work, name="jetflow-engine", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()  # set when the worker has returned
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self.run, name="jetflow-engine", daemon=True)
+            self._thread.start()
+
+    def run(self) -> None:
+        """The worker loop, in the calling thread, until :meth:`shutdown` (``start=False`` engines)."""
+        try:
+            (self._work_batched if self.max_batch > 1 else self._work)()
+        finally:
+            self._stopped.set()
 
     @property
     def queue_depth(self) -> int:
@@ -251,4 +264,4 @@ class Engine:
             for job in list(self._running):
                 job.cancel()
         self._queue.put(None)
-        self._thread.join(timeout)
+        self._stopped.wait(timeout)

@@ -1,8 +1,20 @@
-"""``jetflow serve``: a loaded JetFlow behind the OpenAI-compatible app, until SIGTERM/SIGINT."""
+"""``jetflow serve``: a loaded JetFlow behind the OpenAI-compatible app, until SIGTERM/SIGINT.
+
+The HTTP side (uvicorn) runs in the main thread; everything that runs the model (loading it,
+measuring the cost curve, the warm-up, every forward) runs in ONE other thread, the engine's. Why
+one: torch's CPU kernels run on OpenMP, which keeps a team of worker threads for every thread that
+has run a parallel op. Once two threads have teams, there are more OpenMP threads than cores and
+libgomp cuts its spin-waiting, so every small op waits for sleeping workers: a 32-request step took
+125 ms instead of 93 and prompts prefilled 1.5x slower when the model was loaded in the main thread
+and run in the engine's (benchmarks/serve_matrix.py, docs/results.md "One compute thread").
+"""
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -12,19 +24,48 @@ from jetflow.serve.engine import Engine
 from jetflow.serve.metrics import Metrics
 
 
-def serve(jf: JetFlow, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16, api_key: str | None = None,
-          model_name: str | None = None, max_body_bytes: int = 1 << 20, shutdown_timeout: float = 30.0,
-          log_level: str = "warning", max_batch: int = 32, max_prefill_tokens: int = 256) -> None:
-    """Serve ``jf`` on http://host:port/v1. One-time costs (the cost curve of an adaptive budget,
-    first-call allocations) are paid before the first client, not by it."""
+def _prepare(jf: JetFlow) -> None:
+    """One-time costs (the cost curve of an adaptive budget, first-call allocations), paid before
+    the first client instead of by it."""
     if jf.budget == "auto" and jf.drafter is not None:
         print("measuring this machine's cost curve for --budget auto (cached after the first time) ...",
               file=sys.stderr)
         jf.adaptive_budget()
     jf.generate("warm-up", max_new_tokens=4)
+
+
+def start_engine(load: Callable[[], JetFlow], **engine_kw) -> tuple[JetFlow, Engine]:
+    """Load, prepare and run the engine in a thread of its own; returns once it is ready to serve
+    (or re-raises what went wrong while loading)."""
+    ready: queue.Queue = queue.Queue(maxsize=1)
+
+    def compute() -> None:
+        try:
+            jf = load()
+            _prepare(jf)
+            engine = Engine(jf, start=False, **engine_kw)
+        except BaseException as e:  # handed to the main thread, which reports it
+            ready.put(e)
+            return
+        ready.put((jf, engine))
+        engine.run()
+
+    threading.Thread(target=compute, name="jetflow-engine", daemon=True).start()
+    got = ready.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def serve(jf: JetFlow | Callable[[], JetFlow], *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+          api_key: str | None = None, model_name: str | None = None, max_body_bytes: int = 1 << 20,
+          shutdown_timeout: float = 30.0, log_level: str = "warning", max_batch: int = 32,
+          max_prefill_tokens: int = 256) -> None:
+    """Serve on http://host:port/v1. ``jf``: a JetFlow, or (better) a function that loads one, so
+    that the loading happens in the engine's thread too."""
     metrics = Metrics()
-    engine = Engine(jf, max_queue=max_queue, metrics=metrics, max_batch=max_batch,
-                    max_prefill_tokens=max_prefill_tokens)
+    jf, engine = start_engine(jf if callable(jf) else (lambda: jf), max_queue=max_queue, metrics=metrics,
+                              max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
     name = model_name or jf.target.name
     app = create_app(engine, name, aliases=(jf.target.name,), api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
