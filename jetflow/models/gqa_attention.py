@@ -2,8 +2,8 @@
 
 transformers' ``sdpa`` attention, given a mask on a CPU (every tree verify, every batched step with
 more than one token per row), expands each key/value head to its query heads (``repeat_kv``): a copy
-of the whole cache per layer. For 32 rows of ~200 cached tokens that copy took a quarter of a
-batched verify step (benchmarks/bench_batch_decoder.py --profile). For one query token
+of the whole cache per layer. For 32 rows of ~200 cached tokens and 3 tokens each, that copy took
+a third of a batched verify step (benchmarks/bench_batch_decoder.py --budget 2 --profile). For one query token
 transformers already avoids it by folding a key/value head's query heads into the query length
 (``pack_gqa``); this does the same for n query tokens: the G query heads of a key/value head become
 G*n query rows (row g*n + i is query i of head g), the mask's n rows repeated G times.

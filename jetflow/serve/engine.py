@@ -77,10 +77,8 @@ class Engine:
             self._decoder = self._new_decoder()
             self._warm_up(self._decoder)
         self._stopped = threading.Event()  # set when the worker has returned
-        self._thread: threading.Thread | None = None
         if start:
-            self._thread = threading.Thread(target=self.run, name="jetflow-engine", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self.run, name="jetflow-engine", daemon=True).start()
 
     def run(self) -> None:
         """The worker loop, in the calling thread, until :meth:`shutdown` (``start=False`` engines)."""

@@ -4,9 +4,9 @@ The HTTP side (uvicorn) runs in the main thread; everything that runs the model 
 measuring the cost curve, the warm-up, every forward) runs in ONE other thread, the engine's. Why
 one: torch's CPU kernels run on OpenMP, which keeps a team of worker threads for every thread that
 has run a parallel op. Once two threads have teams, there are more OpenMP threads than cores and
-libgomp cuts its spin-waiting, so every small op waits for sleeping workers: a 32-request step took
-125 ms instead of 93 and prompts prefilled 1.5x slower when the model was loaded in the main thread
-and run in the engine's (benchmarks/serve_matrix.py, docs/results.md "One compute thread").
+libgomp cuts its spin-waiting, so every small op waits for sleeping workers: 1.6x slower on 2 cores
+(benchmarks/bench_second_thread.py), and 135.9 instead of 200.7 tok/s at 32 clients
+(benchmarks/serve_matrix.py; docs/results.md, "One compute thread").
 """
 
 from __future__ import annotations
