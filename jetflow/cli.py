@@ -190,7 +190,7 @@ def cmd_train(args) -> int:
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
-                         shift_tokens=args.shift_tokens)
+                         shift_tokens=args.shift_tokens, amp=args.amp)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -484,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shift-tokens", action="store_true",
                    help="causal block heads: each slot reads the token of the slot before it instead of its own "
                         "(so the slot after a revealed path token gets it as input; revealed slots stay supervised)")
+    t.add_argument("--amp", choices=["bfloat16", "float16"], default="",
+                   help="mixed-precision head forward/backward (weights, optimizer and losses stay fp32); "
+                        "bfloat16 is several times faster on CPUs with AMX and on GPUs")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and "
                         "schedule, and a reduced vocabulary chosen again from this run's data")

@@ -86,6 +86,7 @@ def test_cache_equals_online_teacher_and_resumes(target, tmp_path, monkeypatch):
     manifest = build_teacher_cache(target, seqs, out, top_k=target.vocab_size, sequences_per_part=3,
                                    batch_tokens=40, progress=False)
     assert manifest["complete"] and len(manifest["parts"]) == 3
+    assert {p["dtype"] for p in manifest["parts"].values()} == {"float32"}  # which precision computed each part
 
     cached = CachedTeacher(TeacherCache(out, seqs, target, [0, 2]), None, target.vocab_size)
     online = OnlineTeacher(target, None)

@@ -225,3 +225,21 @@ def test_shift_tokens_is_refused_where_it_means_nothing(kw):
 def test_reveal_is_refused_where_it_means_nothing(kw):
     with pytest.raises(JetFlowError, match="reveal"):
         config(**kw)
+
+
+def test_bfloat16_autocast_trains_with_the_fp32_loss_and_keeps_fp32_weights(target, data, tmp_path):
+    seqs = load_sequences(data, target)
+    plain = Trainer(target, seqs, tmp_path / "fp32", config(epochs=2))
+    mixed = Trainer(target, seqs, tmp_path / "amp", config(epochs=2, amp="bfloat16"))
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    want, got = (float(t.sequence_loss(0, g())[0].detach()) for t in (plain, mixed))
+    assert got == pytest.approx(want, rel=0.05) and got != want  # bf16 matmuls: close, not bit-equal
+    first = mixed.evaluate()["eval_loss"]
+    mixed.fit(log=lambda r: None)
+    assert mixed.evaluate()["eval_loss"] < first
+    assert all(p.dtype == torch.float32 for p in mixed.head.parameters())
+
+
+def test_unknown_amp_dtype_is_refused():
+    with pytest.raises(JetFlowError, match="amp must be one of"):
+        config(amp="int8")

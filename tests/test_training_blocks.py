@@ -137,3 +137,18 @@ def test_block_attention_equals_attention_under_the_dense_mask(causal, heads, kv
     grads = torch.autograd.grad((out * w).sum(), (q, ctx_k, ctx_v, k, v))
     for got, want in zip(grads, torch.autograd.grad((ref * w).sum(), (q, ctx_k, ctx_v, k, v))):
         torch.testing.assert_close(got, want)
+
+
+def test_block_attention_in_bfloat16_fills_masked_scores_and_matches_fp32():
+    """Under autocast the scores are bf16: the fill value must be bf16's own minimum (fp32's overflows)."""
+    from jetflow.models.layers import block_attention
+
+    g = torch.Generator().manual_seed(1)
+    anchors, T, B, d = torch.tensor([3, 7]), 10, 4, 8
+    mask = training_mask(anchors, T, B, True)
+    q, ctx_k, ctx_v, k, v = (torch.randn(h, n, d, generator=g) for h, n in ((4, 8), (2, T), (2, T), (2, 8), (2, 8)))
+    ref = block_attention(q, ctx_k, ctx_v, k, v, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block_attention(q, ctx_k, ctx_v, k, v, mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)

@@ -73,10 +73,11 @@ def block_attention(q, ctx_k, ctx_v, k, v, mask: BlockMask) -> torch.Tensor:
     q = q.reshape(*lead, kv_heads, heads // kv_heads, n, d) * d ** -0.5  # grouped query heads
     ctx_k, ctx_v, k, v = (t.unsqueeze(-3) for t in (ctx_k, ctx_v, k, v))  # [..., Hkv, 1, *, d]
     blocks = lambda t: t.unflatten(-2, (n // b, b))  # noqa: E731  [..., n/b, b, d]
-    neg = torch.finfo(q.dtype).min
-    s_ctx = (q @ ctx_k.transpose(-1, -2)).masked_fill(~mask.context, neg)
+    s_ctx = q @ ctx_k.transpose(-1, -2)  # under autocast these scores are bf16/fp16: fill with their own min
+    neg = torch.finfo(s_ctx.dtype).min
+    s_ctx = s_ctx.masked_fill(~mask.context, neg)
     s_blk = (blocks(q) @ blocks(k).transpose(-1, -2)).masked_fill(~mask.inner, neg).flatten(-3, -2)
-    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1, dtype=torch.float32).to(ctx_v.dtype)
     p_ctx, p_blk = p.split([s_ctx.shape[-1], b], dim=-1)
     out = p_ctx @ ctx_v + (p_blk.unflatten(-2, (n // b, b)) @ blocks(v)).flatten(-3, -2)
     return out.reshape(*lead, heads, n, d)

@@ -125,8 +125,8 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
         save_file(tensors, tmp, metadata={"format": FORMAT, "digest": digest})
         tmp.replace(path)
         seconds = time.perf_counter() - t0
-        manifest["parts"][path.name] = {"sequences": len(part), "digest": digest,
-                                        "tokens": int(tensors["offsets"][-1]), "seconds": seconds}
+        manifest["parts"][path.name] = {"sequences": len(part), "digest": digest, "tokens": int(tensors["offsets"][-1]),
+                                        "seconds": seconds, "dtype": str(target.dtype).removeprefix("torch.")}
         manifest["wall_seconds"] += seconds
         write_json_atomic(manifest_path, manifest)
     bar.close()
