@@ -35,6 +35,17 @@ prof = cProfile.Profile()
 qs = [p.request() for p in load_eval_set(args.dataset, args.prompts)]
 jf.generate(qs[0], max_new_tokens=8)  # warm-up of both paths
 totals = {"batched": [0, 0.0], "single": [0, 0.0]}
+split = {"batched": {}, "single": {}}  # rounds, tree nodes, round kinds and seconds per phase, summed
+
+
+def add_split(kind, stats):
+    acc = split[kind]
+    acc["rounds"] = acc.get("rounds", 0) + stats["rounds"]
+    acc["tree_nodes"] = acc.get("tree_nodes", 0) + stats["mean_tree_size"] * stats["rounds"]
+    for key in ("time_split", "round_kinds"):
+        for k, v in stats[key].items():
+            acc.setdefault(key, {})[k] = acc.setdefault(key, {}).get(k, 0) + v
+
 same = 0
 for q in qs:
     ids, params, out = prepare_request(t, q, max_new_tokens=args.max_new_tokens)
@@ -48,12 +59,18 @@ for q in qs:
         prof.disable()
     totals["batched"][0] += r.result.new_tokens
     totals["batched"][1] += time.perf_counter() - t0
+    add_split("batched", r.result.stats)
     t0 = time.perf_counter()
     s = jf.generate(q, max_new_tokens=args.max_new_tokens)
     totals["single"][0] += s.new_tokens
     totals["single"][1] += time.perf_counter() - t0
+    add_split("single", s.stats)
     same += r.result.token_ids == s.token_ids
 report = {k: {"tokens": n, "seconds": round(sec, 2), "tokens_per_s": round(n / sec, 2)} for k, (n, sec) in totals.items()}
+for k, acc in split.items():
+    acc["time_split"] = {p: round(v, 2) for p, v in acc["time_split"].items()}
+    acc["tree_nodes"] = round(acc["tree_nodes"])
+    report[k].update(acc)
 report["batched_over_single"] = round(report["batched"]["tokens_per_s"] / report["single"]["tokens_per_s"], 4)
 report["identical_outputs"] = f"{same}/{len(qs)}"
 report["command"] = "python benchmarks/bench_lone_request.py " + " ".join(
