@@ -8,6 +8,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import sys
 import time
 
 import jetflow
@@ -43,8 +44,9 @@ def add_split(kind, stats):
     acc["rounds"] = acc.get("rounds", 0) + stats["rounds"]
     acc["tree_nodes"] = acc.get("tree_nodes", 0) + stats["mean_tree_size"] * stats["rounds"]
     for key in ("time_split", "round_kinds"):
+        sums = acc.setdefault(key, {})
         for k, v in stats[key].items():
-            acc.setdefault(key, {})[k] = acc.setdefault(key, {}).get(k, 0) + v
+            sums[k] = sums.get(k, 0) + v
 
 same = 0
 for q in qs:
@@ -73,9 +75,7 @@ for k, acc in split.items():
     report[k].update(acc)
 report["batched_over_single"] = round(report["batched"]["tokens_per_s"] / report["single"]["tokens_per_s"], 4)
 report["identical_outputs"] = f"{same}/{len(qs)}"
-report["command"] = "python benchmarks/bench_lone_request.py " + " ".join(
-    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False, True)) + (
-    " --profile" if args.profile else "")
+report["command"] = " ".join(["python", *sys.argv])
 print(json.dumps(report, indent=1))
 if args.out:
     with open(args.out, "w") as f:

@@ -484,9 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shift-tokens", action="store_true",
                    help="causal block heads: each slot reads the token of the slot before it instead of its own "
                         "(so the slot after a revealed path token gets it as input; revealed slots stay supervised)")
-    t.add_argument("--amp", choices=["bfloat16", "float16"], default="",
-                   help="mixed-precision head forward/backward (weights, optimizer and losses stay fp32); "
-                        "bfloat16 is several times faster on CPUs with AMX and on GPUs")
+    t.add_argument("--amp", choices=["bfloat16"], default="",
+                   help="bf16 autocast of the head's forward/backward (weights, optimizer and losses stay fp32); "
+                        "for GPUs: on a 2-core AMX CPU it did not pay (docs/results.md, \"The fourth drafter\")")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and "
                         "schedule, and a reduced vocabulary chosen again from this run's data")

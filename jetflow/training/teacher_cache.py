@@ -126,7 +126,7 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
         tmp.replace(path)
         seconds = time.perf_counter() - t0
         manifest["parts"][path.name] = {"sequences": len(part), "digest": digest, "tokens": int(tensors["offsets"][-1]),
-                                        "seconds": seconds, "dtype": str(target.dtype).removeprefix("torch.")}
+                                        "seconds": seconds, "dtype": target.identity()["dtype"]}
         manifest["wall_seconds"] += seconds
         write_json_atomic(manifest_path, manifest)
     bar.close()

@@ -35,7 +35,7 @@ from jetflow.utils.fs import replace_directory
 
 # Head kind -> loss of one sequence (the block head drafts all depths at once; the EAGLE head is unrolled).
 OBJECTIVES = {"block": block_sequence_loss, "eagle3": eagle_sequence_loss}
-AMP_DTYPES = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AMP_DTYPES = {"": None, "bfloat16": torch.bfloat16}  # fp16 would need a gradient scaler
 
 
 @dataclass
