@@ -190,7 +190,7 @@ def cmd_train(args) -> int:
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
-                         shift_tokens=args.shift_tokens, amp=args.amp)
+                         shift_tokens=args.shift_tokens, amp=args.amp, max_seconds=args.max_seconds)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -457,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--eval-every", type=_positive_int, default=100)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="stop after this step (resumable)")
+    t.add_argument("--max-seconds", type=float, default=0.0,
+                   help="training time budget: stop once this many seconds of training are spent, the "
+                        "learning-rate schedule decaying over the budget (for heads compared at equal time; "
+                        "0 = off)")
     t.add_argument("--max-sequences", type=_positive_int, default=None,
                    help="train on the first N sequences of --data in shard order (learning curves over data size; "
                         "with --teacher-cache, N must end on one of its parts)")

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -243,3 +244,24 @@ def test_bfloat16_autocast_trains_with_the_fp32_loss_and_keeps_fp32_weights(targ
 def test_unknown_amp_dtype_is_refused():
     with pytest.raises(JetFlowError, match="amp must be one of"):
         config(amp="int8")
+
+
+def test_a_time_budget_stops_training_and_decays_the_rate_over_it(target, data, tmp_path):
+    seqs = load_sequences(data, target)
+    cfg = config(epochs=50, warmup_steps=0, max_seconds=4.5)
+    trainer = Trainer(target, seqs, tmp_path / "run", cfg)
+    ticks = iter(range(10_000))
+    trainer.clock = lambda: float(next(ticks))  # every step "takes" one second
+    records = []
+    result = trainer.fit(log=records.append)
+    assert trainer.step == 5 and result["seconds"] == 5.0 < trainer.total_steps  # out of time, not of steps
+    rates = [r["lr"] for r in records]
+    assert rates == sorted(rates, reverse=True) and rates[0] == cfg.lr
+    # by steps alone the last rate would be ~cfg.lr; the budget brings it near the end of the cosine
+    assert rates[-1] == pytest.approx(cfg.lr * 0.5 * (1 + math.cos(math.pi * 4 / 4.5)))
+    resumed = Trainer(target, seqs, tmp_path / "run", cfg)  # the spent budget is saved with the run
+    assert resumed.resume() and resumed.elapsed == 5.0
+    resumed.fit(log=lambda r: None)
+    assert resumed.step == 5
+    with pytest.raises(JetFlowError, match="max_seconds"):
+        config(max_seconds=-1)

@@ -77,6 +77,10 @@ class TrainConfig:
     # Mixed precision of the head's forward and backward ("bfloat16"; "" = off). The weights, the
     # optimizer and the losses stay fp32; on CPUs with AMX a bf16 matmul is ~8x an fp32 one.
     amp: str = ""
+    # Wall-clock training budget in seconds (0 = off): training stops once it is spent, and the
+    # cosine schedule follows time as well as steps, so a budgeted run still ends at a low rate.
+    # For comparisons at equal training time between heads whose steps cost differently.
+    max_seconds: float = 0.0
 
     def __post_init__(self):
         if self.head not in HEAD_KINDS:
@@ -109,6 +113,8 @@ class TrainConfig:
                                "through the next slot)")
         if self.amp not in AMP_DTYPES:
             raise JetFlowError(f"amp must be one of {sorted(AMP_DTYPES)} ('' = off), got {self.amp!r}")
+        if self.max_seconds < 0:
+            raise JetFlowError(f"max_seconds must be >= 0 (0 = no time budget), got {self.max_seconds}")
         if self.lr <= 0 or self.kl_temperature <= 0 or self.gamma < 0:
             raise JetFlowError("lr and kl_temperature must be > 0 and gamma >= 0")
 
@@ -207,6 +213,7 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step = 0
         self.elapsed = 0.0  # training seconds over all sessions of this run
+        self.clock = time.perf_counter
 
     def _bind_vocab(self) -> None:
         """LM-head slice, label mapping and teacher for the head's (possibly reduced) vocabulary."""
@@ -232,6 +239,8 @@ class Trainer:
         if c.warmup_steps and step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
         progress = (step - c.warmup_steps) / max(1, self.total_steps - c.warmup_steps)
+        if c.max_seconds:  # whichever runs out first: the steps or the time
+            progress = max(progress, self.elapsed / c.max_seconds)
         return c.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     def batch_for(self, step: int, micro: int) -> list[tuple[int, int]]:
@@ -250,7 +259,7 @@ class Trainer:
 
     def train_step(self) -> float:
         c = self.config
-        lr = self.lr_at(self.step)
+        self.lr = lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -318,25 +327,35 @@ class Trainer:
         self.step, self.elapsed = state["step"], state.get("elapsed", 0.0)
         return True
 
+    def out_of_time(self) -> bool:
+        return bool(self.config.max_seconds) and self.elapsed >= self.config.max_seconds
+
     def fit(self, max_steps: int | None = None, log=print, snapshots: tuple[int, ...] = ()) -> dict:
-        """Train until ``max_steps`` (default: all epochs); ``snapshots`` are steps at which a copy of
-        the drafter is kept in ``snapshots/step-NNNNNN`` (e.g. for a learning curve)."""
+        """Train until ``max_steps`` (default: all epochs) or the config's time budget; ``snapshots``
+        are steps at which a copy of the drafter is kept in ``snapshots/step-NNNNNN`` (e.g. for a
+        learning curve)."""
         self.out.mkdir(parents=True, exist_ok=True)
         log_file = self.out / "train_log.jsonl"
         end = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        while self.step < end:
-            t0 = time.perf_counter()
+        while self.step < end and not self.out_of_time():
+            t0 = self.clock()
             loss = self.train_step()
-            self.elapsed += time.perf_counter() - t0
-            record = {"step": self.step, "loss": loss, "lr": self.lr_at(self.step - 1), "seconds": self.elapsed}
-            if self.eval_set and (self.step % self.config.eval_every == 0 or self.step == end):
+            self.elapsed += self.clock() - t0
+            if self.world > 1:  # every process stops at the same step
+                spent = torch.tensor([self.elapsed], dtype=torch.float64)
+                dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+                self.elapsed = spent.item()
+            last = self.step == end or self.out_of_time()
+            record = {"step": self.step, "loss": loss, "lr": self.lr, "seconds": self.elapsed}
+            if self.eval_set and (self.step % self.config.eval_every == 0 or last):
                 record.update(self.evaluate())
             if self.rank == 0:
                 with open(log_file, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 log(record)
-            if self.step % self.config.save_every == 0 or self.step == end:
+            if self.step % self.config.save_every == 0 or last:
                 self.save()
             if self.step in snapshots and self.rank == 0:
                 self.head.save_pretrained(self.out / "snapshots" / f"step-{self.step:06d}")
-        return {"step": self.step, "total_steps": self.total_steps, "train_sequences": len(self.train_set)}
+        return {"step": self.step, "total_steps": self.total_steps, "train_sequences": len(self.train_set),
+                "seconds": round(self.elapsed, 1)}
