@@ -54,6 +54,8 @@ def main():
     rows, replayed = [], set()
     for spec in args.point:
         count, out_dir = spec.split(":", 1)
+        if not Path(out_dir).exists():
+            raise SystemExit(f"--point {spec}: {out_dir} does not exist")
         if out_dir.endswith(".json"):
             tau, prompts, identical = offline_tau_of(Path(out_dir), args.budget, replayed)
         else:
