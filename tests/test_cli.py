@@ -125,8 +125,9 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     capsys.readouterr()
     subset = args[:6] + [str(tmp_path / "sub")] + args[7:] + ["--max-sequences", "3"]
     assert main(subset) == 0  # 3 sequences, none held out: 1 step per epoch
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
-        "step": 2, "total_steps": 2, "train_sequences": 3}
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary.pop("seconds") >= 0 and summary == {"step": 2, "total_steps": 2, "train_sequences": 3}
+    assert main(subset + ["--max-seconds", "-1"]) == 2 and "max_seconds" in capsys.readouterr().err
     assert main(subset[:-1] + ["9"]) == 2 and "holds only 5" in capsys.readouterr().err
     eagle = args[:6] + [str(tmp_path / "eagle")] + args[7:] + ["--head", "eagle3", "--ttt-steps", "2"]
     assert main(eagle) == 0
