@@ -56,13 +56,14 @@ def main():
         count, out_dir = spec.split(":", 1)
         if not Path(out_dir).exists():
             raise SystemExit(f"--point {spec}: {out_dir} does not exist")
-        if out_dir.endswith(".json"):
+        offline = out_dir.endswith(".json")
+        if offline:
             tau, prompts, identical = offline_tau_of(Path(out_dir), args.budget, replayed)
         else:
             tau, prompts, identical = tau_of(Path(out_dir) / "runs" / f"{args.dataset}__jetflow__b{args.budget}.json",
                                              args.first)
         rows.append({"sequences": int(count), "bench": out_dir, "tau": tau, "prompts": prompts,
-                     "replayed_offline": out_dir.endswith(".json"), "identical_to_ar": identical})
+                     "replayed_offline": offline, "identical_to_ar": identical})
         print(f"{int(count):6d} sequences: tau@{args.budget} {tau:.2f} over {prompts} prompts"
               + ("" if identical else "  OUTPUT MISMATCH"))
     rows.sort(key=lambda r: r["sequences"])

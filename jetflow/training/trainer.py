@@ -213,6 +213,7 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step = 0
         self.elapsed = 0.0  # training seconds over all sessions of this run
+        self.lr = config.lr  # the rate of the last step
         self.clock = time.perf_counter
 
     def _bind_vocab(self) -> None:
@@ -341,7 +342,7 @@ class Trainer:
             t0 = self.clock()
             loss = self.train_step()
             self.elapsed += self.clock() - t0
-            if self.world > 1:  # every process stops at the same step
+            if self.config.max_seconds and self.world > 1:  # every process stops at the same step
                 spent = torch.tensor([self.elapsed], dtype=torch.float64)
                 dist.all_reduce(spent, op=dist.ReduceOp.MAX)
                 self.elapsed = spent.item()
