@@ -152,3 +152,28 @@ def test_feature_scale_evens_out_massive_dimensions_and_is_saved(target, tmp_pat
     del state["feature_scale"]
     save_file(state, path / "model.safetensors")
     assert torch.equal(DraftHead.from_pretrained(path).feature_scale, torch.ones(feats.shape[1]))
+
+
+def test_a_smaller_block_from_a_causal_head_drafts_its_first_depths_unchanged(target, tmp_path):
+    """--init-from a block-16 head for a block-8 run: causal slots never see later ones, so the
+    shrunk head's depth distributions are the big head's first ones; a bigger block is refused."""
+    from jetflow.errors import JetFlowError
+    from jetflow.training.run import shrink_block, warm_start_head
+    from jetflow.training.trainer import TrainConfig
+
+    head = make_head(target, depth_embedding=True, feed_last_feature=True).eval()
+    small = shrink_block(head, 4).eval()
+    assert small.config.block_size == 4 and small.depth_embed.weight.shape[0] == 4
+    torch.manual_seed(4)
+    feats = torch.randn(9, 2 * 64)
+    big_drafter, small_drafter = BlockDrafter(head, target), BlockDrafter(small, target)
+    big_drafter.extend(feats)
+    small_drafter.extend(feats)
+    torch.testing.assert_close(small_drafter.depth_logprobs(7, 9), big_drafter.depth_logprobs(7, 9)[:3],
+                               atol=1e-5, rtol=0)
+
+    head.save_pretrained(tmp_path / "big")
+    shape = dict(layers=2, draft_vocab=0, feed_last_feature=True, depth_embedding=True)
+    assert warm_start_head(tmp_path / "big", target, TrainConfig(block_size=4, **shape)).config.block_size == 4
+    with pytest.raises(JetFlowError, match="block-size 8"):
+        warm_start_head(tmp_path / "big", target, TrainConfig(block_size=8, **shape))

@@ -3,6 +3,7 @@ existing run, snapshots at fractions of training, then :meth:`Trainer.fit`."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -20,6 +21,11 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
     the run's, or the run would silently train another head than its arguments say."""
     head = load_drafter(path, target=target, dtype=torch.float32)
     c = head.config
+    if c.kind == "block" and config.block_size < c.block_size:
+        head = shrink_block(head, config.block_size)
+        print(f"--init-from {path}: block {c.block_size} -> {config.block_size} (depth embeddings 0.."
+              f"{config.block_size - 1} kept)", file=sys.stderr)
+        c = head.config
     vocab = c.draft_vocab_size if c.reduced_vocab else 0
     wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
               "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
@@ -32,6 +38,18 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
     if bad:
         raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))
     return head
+
+
+def shrink_block(head: DraftHead, block_size: int) -> DraftHead:
+    """The same block head drafting fewer depths: every weight but the depth embedding is shared by
+    all slots (positions are rotary), so a smaller block keeps the first ``block_size`` of those."""
+    config = dataclasses.replace(head.config, block_size=block_size)
+    state = head.state_dict()
+    if head.depth_embed is not None:
+        state["depth_embed.weight"] = state["depth_embed.weight"][:block_size]
+    small = type(head)(config).to(head.fc.weight.dtype)
+    small.load_state_dict(state)
+    return small
 
 
 def train_drafter(target: TargetModel, data: str | Path | list[str | Path], out: str | Path, config: TrainConfig, *,
