@@ -189,6 +189,7 @@ def cmd_train(args) -> int:
                          save_every=args.save_every, eval_every=args.eval_every, draft_vocab=args.draft_vocab,
                          feed_last_feature=args.feed_last_feature, depth_embedding=args.depth_embedding,
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
+                         dense_depth1_anchors=args.dense_depth1_anchors,
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
                          shift_tokens=args.shift_tokens, amp=args.amp, max_seconds=args.max_seconds)
     fractions = _fractions(args.snapshot_at)
@@ -476,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal block heads: add W x the mean depth-1 loss over 2-slot blocks [anchor, MASK] at every "
                         "answer position (default 1 for causal block heads, else 0; 0 = off, the objective "
                         "before it became the default)")
+    t.add_argument("--dense-depth1-anchors", type=_non_negative_int, default=0, metavar="N",
+                   help="the --dense-depth1 term over N random answer positions per sequence (0 = all of them)")
     t.add_argument("--embed-norm", action="store_true",
                    help="block heads: RMS-normalise the slots' token embeddings before the fused feature is added")
     t.add_argument("--reveal", type=float, default=0.0, metavar="P",

@@ -1,6 +1,8 @@
 """Per-depth agreement (jetflow/eval/depth_agreement.py) against brute-force per-anchor references,
 and the dense depth-1 training blocks against drafting from each anchor."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from jetflow.eval.depth_agreement import (DepthAgreement, block_depth_prediction
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.training.block_objective import block_context, blocks_forward
-from jetflow.training.blocks import answer_anchors, make_blocks
+from jetflow.training.blocks import answer_anchors, make_blocks, sample_anchors
 from jetflow.training.teacher import OnlineTeacher
 from tiny import peaked_tiny_target
 
@@ -220,7 +222,8 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
     tokens = torch.tensor(seq.token_ids)
     features = target.prefill(seq.token_ids).hidden
     with torch.no_grad():
-        dense = dense_depth1_loss(trainer, 0, seq, tokens, features, block_context(trainer.head, features))
+        dense = dense_depth1_loss(trainer, 0, seq, tokens, features, block_context(trainer.head, features),
+                                  torch.Generator())
         expected = []
         for a in range(seq.prompt_len, len(tokens) - 1):
             drafter = BlockDrafter(trainer.head, target)
@@ -229,6 +232,14 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
             _, teacher = target.features_and_logits(seq.token_ids, torch.tensor([a]))
             expected.append(slot_losses(draft[None], teacher.log_softmax(-1), tokens[a + 1:a + 2], "fkl"))
         torch.testing.assert_close(dense, torch.cat(expected).mean(), atol=1e-4, rtol=1e-4)
+        # --dense-depth1-anchors N: the same losses at N answer positions drawn from the step's generator
+        trainer.config = dataclasses.replace(config, dense_depth1_anchors=3)
+        sampled = sample_anchors(seq.prompt_len, len(tokens), 3, torch.Generator().manual_seed(5)) - seq.prompt_len
+        assert len(sampled) == 3
+        some = dense_depth1_loss(trainer, 0, seq, tokens, features, block_context(trainer.head, features),
+                                 torch.Generator().manual_seed(5))
+        torch.testing.assert_close(some, torch.cat(expected)[sampled].mean(), atol=1e-4, rtol=1e-4)
+        trainer.config = config
         trainer.head.train().requires_grad_(True)  # the drafter switched it to inference
         train_loss, _ = trainer.sequence_loss(0, torch.Generator().manual_seed(7))
         trainer.head.eval()
@@ -237,7 +248,8 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
     torch.testing.assert_close(train_loss, plain + 0.5 * dense, atol=1e-5, rtol=1e-5)
     trainer.fit(log=lambda r: None)
     assert trainer.step == trainer.total_steps
-    for bad in ({"attention": "bidirectional"}, {"head": "eagle3"}, {"dense_depth1": -1.0}):
+    for bad in ({"attention": "bidirectional"}, {"head": "eagle3"}, {"dense_depth1": -1.0},
+                {"dense_depth1_anchors": -1}):
         with pytest.raises(JetFlowError):
             TrainConfig(**{"dense_depth1": 1.0, **bad})
 
@@ -252,3 +264,5 @@ def test_train_cli_makes_dense_depth1_the_default_for_causal_block_heads():
     assert _dense_depth1(parser.parse_args(base + ["--head", "eagle3"])) == 0.0
     assert _dense_depth1(parser.parse_args(base + ["--dense-depth1", "0"])) == 0.0  # the old objective
     assert _dense_depth1(parser.parse_args(base + ["--dense-depth1", "0.5"])) == 0.5
+    assert parser.parse_args(base).dense_depth1_anchors == 0  # every answer position
+    assert parser.parse_args(base + ["--dense-depth1-anchors", "64"]).dense_depth1_anchors == 64

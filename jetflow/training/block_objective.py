@@ -34,12 +34,17 @@ def blocks_forward(head: DraftHead, embed, features: torch.Tensor, blocks: Block
     return head(embeds, blocks.positions.to(device), ctx, mask, last, block_size=size)
 
 
-def dense_depth1_loss(trainer, index: int, seq, tokens: torch.Tensor, features: torch.Tensor, context) -> torch.Tensor:
-    """Mean depth-1 loss over every answer anchor of the sequence: blocks of 2 slots [anchor, MASK]
-    (the first two slots of a full block; a causal head's slot 1 sees only them and the context, so
-    it equals slot 1 of a full block), one extra head forward sharing the context keys/values."""
+def dense_depth1_loss(trainer, index: int, seq, tokens: torch.Tensor, features: torch.Tensor, context,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Mean depth-1 loss over every answer anchor of the sequence (or ``dense_depth1_anchors`` random
+    ones): blocks of 2 slots [anchor, MASK] (the first two slots of a full block; a causal head's slot
+    1 sees only them and the context, so it equals slot 1 of a full block), one extra head forward
+    sharing the context keys/values."""
     c, head, device = trainer.config, trainer.head, trainer.target.device
-    anchors = answer_anchors(seq.prompt_len, len(tokens))
+    if c.dense_depth1_anchors:
+        anchors = sample_anchors(seq.prompt_len, len(tokens), c.dense_depth1_anchors, generator)
+    else:
+        anchors = answer_anchors(seq.prompt_len, len(tokens))
     blocks = make_blocks(tokens, anchors, 2, head.config.mask_token_id)
     sel = blocks.loss_mask.nonzero().flatten()  # every slot 1 (anchors end at len-2)
     labels = blocks.labels if trainer.label_index is None else trainer.label_index[blocks.labels]
@@ -79,6 +84,6 @@ def block_sequence_loss(trainer, index: int, generator: torch.Generator) -> tupl
     loss = block_loss(logits, teacher, labels[sel].to(device), ones, blocks.depth[sel].to(device),
                       c.loss, c.kl_temperature, c.gamma)
     if c.dense_depth1 > 0 and head.training:  # held-out evaluation keeps the plain objective, comparable across arms
-        loss = loss + c.dense_depth1 * dense_depth1_loss(trainer, index, seq, tokens, features, context)
+        loss = loss + c.dense_depth1 * dense_depth1_loss(trainer, index, seq, tokens, features, context, generator)
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float()
     return loss, {"depth": blocks.depth[sel], "agree": agree.detach().cpu()}

@@ -67,6 +67,10 @@ class TrainConfig:
     # every answer position (0: off). The usual anchors_per_seq random anchors supervise depth 1 at
     # only K positions per sequence; an EAGLE head's first unroll step supervises all of them.
     dense_depth1: float = 0.0
+    # The dense term over a random sample of this many answer positions per sequence (0: all of
+    # them): the full term costs as much head compute as 16-slot blocks at 36 anchors, so at equal
+    # training time it did not pay (docs/results.md, "Equal training time").
+    dense_depth1_anchors: int = 0
     embed_norm: bool = False  # block heads: RMS-normalise the slots' token embeddings (DraftHeadConfig.embed_norm)
     # causal block heads: the share of training blocks whose first m slots (m uniform in 1..B-2) hold
     # the true next tokens instead of MASK (unsupervised), so the later slots learn to predict what
@@ -98,6 +102,9 @@ class TrainConfig:
             raise JetFlowError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.dense_depth1 < 0:
             raise JetFlowError(f"dense_depth1 must be >= 0 (0 = off), got {self.dense_depth1}")
+        if self.dense_depth1_anchors < 0:
+            raise JetFlowError(f"dense_depth1_anchors must be >= 0 (0 = every answer position), got "
+                               f"{self.dense_depth1_anchors}")
         if self.dense_depth1 > 0 and (self.head != "block" or self.attention != "causal"):
             raise JetFlowError("dense depth-1 blocks are for causal block heads (a 2-slot block equals slot 1 of a "
                                "full block only under causal attention; an EAGLE head's first step is dense already)")
