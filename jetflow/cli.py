@@ -260,7 +260,7 @@ def cmd_eval_offline(args) -> int:
     target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
-                               refine=False if args.no_refine else None)
+                               refine=False if args.no_refine else None, lookup=args.lookup)
     if args.out:
         write_json_atomic(args.out, report)
     print(json.dumps(report["drafters"]))
@@ -535,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--no-refine", action="store_true",
                    help="replay only the first head pass of heads trained for the path-conditioned second pass")
+    o.add_argument("--lookup", action="store_true",
+                   help="trees merged with the prompt-lookup chain, as the default decoder builds them "
+                        "(rounds where decoding puts them)")
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "

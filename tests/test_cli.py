@@ -251,6 +251,9 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert "does not cover" in capsys.readouterr().err
     assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err
     assert main(offline[:-4] + ["--budgets", "0"]) == 2 and "--budgets" in capsys.readouterr().err
+    assert main(offline + ["--lookup"]) == 0  # head and lookup chain in one tree, as decoding builds them
+    assert all(row["lookup"] for row in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
+    assert main(offline + ["--lookup", "--anchors-per-seq", "4"]) == 2 and "lookup" in capsys.readouterr().err
     # Per-depth agreement at every answer anchor, the same held-out sequences, online and cached.
     agree = ["eval-agreement", "--target", str(tiny_dir), "--drafter", str(tmp_path / "run" / "drafter"),
              "--data", str(tmp_path / "data"), "--sequences", "4:6", "--max-depth", "3",

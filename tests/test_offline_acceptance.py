@@ -62,8 +62,8 @@ def test_path_nodes_and_budget_prefixes():
     assert path_nodes(tree, [6, 7]) == [2] and path_nodes(tree, [9]) == []
 
 
-def decode_rounds(target, head, seq, budget, width):
-    jf = jetflow.JetFlow(target, head, budget=budget, width=width, lookup=False)  # the replay models the head alone
+def decode_rounds(target, head, seq, budget, width, lookup=False):
+    jf = jetflow.JetFlow(target, head, budget=budget, width=width, lookup=lookup)
     spec = jf.generate(seq.token_ids[:seq.prompt_len], max_new_tokens=len(seq.token_ids) - seq.prompt_len)
     assert spec.token_ids == seq.token_ids[seq.prompt_len:]  # the data is the target's greedy answer
     return spec.stats["accept_lengths"]
@@ -86,6 +86,36 @@ def test_replayed_rounds_equal_the_decoding_loop(target, sequences, head, budget
         assert result.depths["chain"] == offline_acceptance(head, target, sequences, teacher, [0, 1, 2],
                                                             [head.config.block_size - 1], 1, refine=False).depths[
             head.config.block_size - 1]
+
+
+@pytest.mark.parametrize("budget, width", [(1, 7), (4, 2), (16, 7)])
+def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, head, budget, width):
+    """Head and lookup chain in one tree (the default decoder): the replay takes the same rounds,
+    its lookup calibration learning as the decoder's does; each sequence is a fresh request."""
+    teacher = OnlineTeacher(target, None)
+    result = offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [budget], width, lookup=True)
+    assert result.summary()["lookup"] is True
+    replayed, decoded = result.depths[budget], []
+    for seq in sequences:
+        lengths = decode_rounds(target, head, seq, budget, width, lookup=True)
+        decoded += [n - 1 for n in lengths[:-1]] + [None]
+    assert len(replayed) == len(decoded) and len(decoded) > 10
+    assert all(want is None or got == want for got, want in zip(replayed, decoded))
+    with pytest.raises(JetFlowError, match="lookup"):
+        offline_acceptance(head, target, sequences, teacher, [0], [budget], width, anchors_per_seq=4, lookup=True)
+
+
+def test_lookup_replay_copies_what_the_answer_repeats(target):
+    """An untrained head accepts nothing; merged with lookup, an answer that repeats its prompt is
+    copied from it once the calibration has seen the chain accepted."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6)).eval()
+    text = list(range(40, 100))
+    seqs = [Sequence("copy", text + text, len(text))]
+    teacher = OnlineTeacher(target, None)
+    merged = offline_acceptance(head, target, seqs, teacher, [0], [8], 7, lookup=True)
+    alone = offline_acceptance(head, target, seqs, teacher, [0], [8], 7)
+    assert alone.tau(8) == 1.0 and merged.tau(8) > 3.0
 
 
 @pytest.mark.parametrize("budget, width", [(4, 2), (64, 7)])

@@ -9,6 +9,11 @@ against the decoding loop, tests/test_offline_acceptance.py) at a fraction of th
 what ablations between heads need. Uniform random anchors are an option; they weight every position
 alike, while decoding spends more rounds where drafts fail, so their tau reads higher.
 
+With ``lookup``, each round's tree is the head's merged with the prompt-lookup chain, as the default
+decoder builds it (decoding/mixed_drafter.py): the chain is looked up in the sequence up to the
+anchor, and the lookup calibration learns from the replayed rounds, fresh for each sequence (one
+request). Also tested round by round against decoding.
+
 Only block heads: an autoregressive (eagle3) head drafts each depth from its own path, so its tree
 needs the decoding loop (``jetflow bench``). A head's path-conditioned second pass (decoding/refine.py)
 is replayed too when the head shifts tokens: it is then one more block per anchor, [anchor, first
@@ -20,10 +25,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import draft_logprobs
+from jetflow.decoding.lookup_drafter import MAX_DRAFT, MAX_NGRAM, lookup_match
+from jetflow.decoding.mixed_drafter import LookupCalibration, MixedProposal, chain_followed
 from jetflow.decoding.refine import path_rows
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
@@ -55,11 +63,25 @@ def accepted_depth(nodes: list[int], budget: int) -> int:
 CHAIN = "chain"  # width-1 chain of the whole block (the DFlash draft), measured next to the trees
 
 
+class _HeadTree:
+    """A replayed round's best-first head tree (draft-vocabulary ids) as the proposal the mixed
+    drafter merges lookup into: any budget's tree, in target ids."""
+
+    def __init__(self, tree: DraftTree, root: int, draft_ids: torch.Tensor | None):
+        self.full, self.root, self.draft_ids = tree, root, draft_ids
+
+    def tree(self, budget: int) -> DraftTree:
+        t = self.full.prefix(budget + 1)
+        ids = t.tokens[1:] if self.draft_ids is None else self.draft_ids[t.tokens[1:]].tolist()
+        return DraftTree([self.root, *ids], t.parents, t.depths, t.scores)
+
+
 @dataclass
 class OfflineAcceptance:
     budgets: list[int]
     width: int
     mode: str  # "decode": rounds where decoding puts them; "uniform": random anchors
+    lookup: bool = False  # trees merged with the prompt-lookup chain (the chain column stays the head's)
     depths: dict = field(default_factory=dict)  # budget or CHAIN -> accepted draft tokens of each round
     depth_reached: list[int] = field(default_factory=list)  # [d]: rounds of the largest budget accepting >= d+1
 
@@ -84,7 +106,7 @@ class OfflineAcceptance:
     def summary(self) -> dict:
         """tau counts the bonus token (1 + accepted draft tokens per round), as ``jetflow bench`` does."""
         largest = self.rounds.get(max(self.budgets), 0)
-        return {"mode": self.mode, "width": self.width,
+        return {"mode": self.mode, "width": self.width, "lookup": self.lookup,
                 "rounds": {str(b): self.rounds.get(b, 0) for b in [*self.budgets, CHAIN]},
                 "tau": {str(b): self.tau(b) for b in self.budgets},
                 "chain_tau": self.tau(CHAIN),
@@ -108,6 +130,8 @@ class _Rounds:
         self.largest, self.width, self.chunk, self.refine = largest, width, chunk, refine
         self.block = head.config.block_size
         self.paths: dict[int, tuple[list[int], int]] = {}  # anchor -> (tree path nodes, chain length)
+        self.trees: dict[int, DraftTree] = {}  # anchor -> its tree at the largest budget (kept for lookup)
+        self.draft_ids = None if head.draft_ids is None else head.draft_ids.cpu()
         self.context = None
 
     def _fill(self, anchors: list[int]) -> None:
@@ -133,6 +157,7 @@ class _Rounds:
                 tree = build_tree_rows(rows, path_rows(d, path[k, :d].tolist()), self.ids[a], self.largest, self.width)
             chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
             self.paths[a] = (path_nodes(tree, continuation), len(chain))
+            self.trees[a] = tree
 
     def _depth_logprobs(self, blocks) -> torch.Tensor:
         hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
@@ -145,16 +170,36 @@ class _Rounds:
             self._fill(todo[i:i + self.chunk])
 
     def accepted(self, anchor: int, budget) -> int:
-        if anchor not in self.paths:  # a walk: the next anchors are likely ones, batch them
-            self.prefetch(list(range(anchor, min(len(self.ids) - 2, anchor + self.chunk - 1) + 1)))
+        self._walk_to(anchor)
         tree, chain = self.paths[anchor]
         return chain if budget == CHAIN else accepted_depth(tree, budget)
+
+    def accepted_with_lookup(self, anchor: int, budget: int, calibration: LookupCalibration) -> int:
+        """Draft tokens accepted from the head's tree merged with the lookup chain (as
+        MixedDrafter.propose builds it), and the round counted into ``calibration`` as decoding does."""
+        self._walk_to(anchor)
+        history = self.tokens[:anchor + 1].numpy()
+        ngram, chain = lookup_match(history, MAX_NGRAM, MAX_DRAFT)
+        root = int(self.tokens[anchor])
+        proposal = MixedProposal(_HeadTree(self.trees[anchor], root, self.draft_ids), root, chain,
+                                 calibration.rates(ngram, len(chain)))
+        tree = proposal.tree(budget)
+        nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
+        if chain and len(tree) > 1:
+            verified = len(path_nodes(tree, chain))
+            calibration.observe(ngram, verified, chain_followed(chain, tree, [0, *nodes]))
+        return len(nodes)
+
+    def _walk_to(self, anchor: int) -> None:
+        if anchor not in self.paths:  # a walk: the next anchors are likely ones, batch them
+            self.prefetch(list(range(anchor, min(len(self.ids) - 2, anchor + self.chunk - 1) + 1)))
 
 
 @torch.no_grad()
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
-                       anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None) -> OfflineAcceptance:
+                       anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None,
+                       lookup: bool = False) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
@@ -164,7 +209,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     ``anchors_per_seq`` random answer anchors (seeded), or the given ``anchors[i]``, shared by all
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
     replay the path-conditioned second pass (None: when decoding would run it, ``config.path_refine``);
-    only for heads that shift tokens. The chain stays the first pass's."""
+    only for heads that shift tokens. The chain stays the first pass's. ``lookup``: the trees hold the
+    prompt-lookup chain too (decoding's default; only where decoding puts the rounds)."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
@@ -174,13 +220,16 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
                            "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
     if not budgets or min(budgets) < 1:
         raise JetFlowError(f"budgets must be >= 1, got {budgets}")
+    if lookup and (anchors is not None or anchors_per_seq):
+        raise JetFlowError("the lookup replay follows decoding's rounds (its calibration learns from them); "
+                           "it cannot use random or given anchors")
     head = head.eval()
     embed = target.embed
     lm_weight = head.output_weight(target.lm_head_weight())
     draft_index = None if head.draft_ids is None else target_to_draft_index(head.draft_ids.cpu(), target.vocab_size)
     budgets = sorted(budgets)
     walk = anchors is None and anchors_per_seq == 0
-    result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform")
+    result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform", lookup=lookup)
     g = torch.Generator().manual_seed(seed)
     for index in indices:
         seq = sequences[index]
@@ -191,9 +240,11 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         rounds = _Rounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width, refine=refine)
         if walk:
             for arm in [*budgets, CHAIN]:
+                calibration = LookupCalibration() if lookup and arm != CHAIN else None  # one per request
                 a = seq.prompt_len
                 while a <= last:
-                    depth = rounds.accepted(a, arm)
+                    depth = rounds.accepted(a, arm) if calibration is None else \
+                        rounds.accepted_with_lookup(a, arm, calibration)
                     result.add(arm, depth)
                     a += depth + 1
         else:
@@ -238,7 +289,7 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
-                      seed: int = 0, log=print, refine: bool | None = None) -> dict:
+                      seed: int = 0, log=print, refine: bool | None = None, lookup: bool = False) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
@@ -254,7 +305,7 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
-                                    width, anchors_per_seq, seed, refine=refine)
+                                    width, anchors_per_seq, seed, refine=refine, lookup=lookup)
         results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
                               "refine": head.config.path_refine if refine is None else refine}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
