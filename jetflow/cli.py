@@ -496,8 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for GPUs: on a 2-core AMX CPU it did not pay (docs/results.md, \"The fourth drafter\")")
     t.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint (e.g. a run on less data); new optimizer and "
-                        "schedule, and a reduced vocabulary chosen again from this run's data; a causal block head may "
-                        "start a run with a smaller --block-size (it keeps its first depths)")
+                        "schedule, and a reduced vocabulary chosen again from this run's data; a block head may "
+                        "start a run with a smaller --block-size (it keeps its first depth embeddings)")
     t.add_argument("--snapshot-at", default=None,
                    help="keep drafter copies at these fractions of training, e.g. 0.25,0.5 (learning curves)")
     t.set_defaults(func=cmd_train)

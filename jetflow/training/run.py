@@ -42,7 +42,8 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
 
 def shrink_block(head: DraftHead, block_size: int) -> DraftHead:
     """The same block head drafting fewer depths: every weight but the depth embedding is shared by
-    all slots (positions are rotary), so a smaller block keeps the first ``block_size`` of those."""
+    all slots (positions are rotary), so a smaller block keeps the first ``block_size`` of those. A
+    causal head then drafts exactly the big head's first depths; a bidirectional one only starts near them."""
     config = dataclasses.replace(head.config, block_size=block_size)
     state = head.state_dict()
     if head.depth_embed is not None:
