@@ -260,10 +260,32 @@ def cmd_eval_offline(args) -> int:
     target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
-                               refine=False if args.no_refine else None, lookup=args.lookup)
+                               refine=False if args.no_refine else None, lookup=args.lookup,
+                               calibrated=not args.no_calibration)
     if args.out:
         write_json_atomic(args.out, report)
     print(json.dumps(report["drafters"]))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from jetflow.eval.calibrate import calibrate_drafter
+    from jetflow.utils.fs import write_json_atomic
+
+    if not Path(args.drafter).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    if args.held_out and args.sequences:
+        raise JetFlowError("give --held-out or --sequences, not both")
+    if not args.held_out and not args.sequences:
+        raise JetFlowError("say which sequences the head was not trained on: --held-out (the split `jetflow train` "
+                           "held out, with its --seed) or --sequences START:END")
+    target = _load_jetflow_target(args, training=True)
+    report = calibrate_drafter(target, args.drafter, args.data, args.out or args.drafter,
+                               teacher_cache=args.teacher_cache, seq_range=args.sequences,
+                               held_out=args.seed if args.held_out else None,
+                               width=args.width, log=lambda m: print(m, file=sys.stderr))
+    if args.report:
+        write_json_atomic(args.report, report)
     return 0
 
 
@@ -538,8 +560,27 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lookup", action="store_true",
                    help="trees merged with the prompt-lookup chain, as the default decoder builds them "
                         "(rounds where decoding puts them)")
+    o.add_argument("--no-calibration", action="store_true",
+                   help="rank tree nodes by draft log-prob even for heads with a tree calibration (`jetflow calibrate`)")
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)
+    k = sub.add_parser("calibrate", help="fit a block head's tree calibration (draft log-prob -> acceptance "
+                                         "log-prob, per depth) on held-out regenerated sequences")
+    _add_target_args(k)
+    k.add_argument("--drafter", required=True, help="block-head checkpoint directory")
+    _add_data_arg(k)
+    k.add_argument("--teacher-cache", type=Path, default=None,
+                   help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
+    k.add_argument("--held-out", action="store_true",
+                   help="the sequences `jetflow train` held out from this --data (same --seed)")
+    k.add_argument("--seed", type=int, default=0, help="the training run's --seed (with --held-out)")
+    k.add_argument("--sequences", default=None, help="START:END range of sequences the head was not trained on")
+    k.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (decoding's --width)")
+    k.add_argument("--out", type=Path, default=None,
+                   help="write the calibrated checkpoint here (default: replace --drafter's config.json in place; "
+                        "the weights are copied untouched)")
+    k.add_argument("--report", type=Path, default=None, help="write the fit (curves, sequences) as JSON here")
+    k.set_defaults(func=cmd_calibrate)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
                                               "every answer position of held-out regenerated sequences")
     _add_offline_eval_args(a, "drafter checkpoint, block or eagle3 (repeat)")

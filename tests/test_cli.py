@@ -1,4 +1,6 @@
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -267,3 +269,25 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
         assert stats["kind"] == "block" and len(stats["agreement"]) == 3 and stats["counts"][0] > stats["counts"][2]
     assert [r["counts"] for r in online.values()] == [r["counts"] for r in cached.values()]
     assert main(agree[:-4] + ["--max-depth", "99"]) == 2 and "beyond" in capsys.readouterr().err
+    # Tree calibration: fitted on sequences the head did not train on (here all of them, for records),
+    # written next to untouched weights; refused without saying which sequences, or on too few.
+    calibrate = ["calibrate", "--target", str(tiny_dir), "--drafter", drafter, "--data", str(tmp_path / "data"),
+                 "--teacher-cache", str(tmp_path / "cache2")]
+    assert main(calibrate) == 2 and "--held-out" in capsys.readouterr().err
+    assert main(calibrate + ["--held-out", "--sequences", "0:6"]) == 2 and "not both" in capsys.readouterr().err
+    assert main(calibrate + ["--sequences", "4:6", "--out", str(tmp_path / "cal")]) == 2
+    assert "too few calibration records" in capsys.readouterr().err and not (tmp_path / "cal").exists()
+    assert main(calibrate + ["--sequences", "0:6", "--out", str(tmp_path / "cal"), "--report",
+                             str(tmp_path / "cal.json")]) == 0
+    fitted = json.loads((tmp_path / "cal" / "config.json").read_text())["tree_calibration"]
+    assert len(fitted["main"]) == 3 and fitted == json.loads((tmp_path / "cal.json").read_text())["calibration"]
+    assert (tmp_path / "cal" / "model.safetensors").read_bytes() == (Path(drafter) / "model.safetensors").read_bytes()
+    assert "tree_calibration" not in json.loads((Path(drafter) / "config.json").read_text())
+    assert main(offline[:3] + ["--drafter", str(tmp_path / "cal")] + offline[7:]) == 0
+    assert all(r["calibrated"] for r in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
+    assert main(offline[:3] + ["--drafter", str(tmp_path / "cal")] + offline[7:] + ["--no-calibration"]) == 0
+    assert not any(r["calibrated"] for r in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
+    # In place (no --out): the same directory gets the calibration, its weights unchanged.
+    shutil.copytree(drafter, tmp_path / "inplace")
+    assert main(calibrate[:4] + [str(tmp_path / "inplace")] + calibrate[5:] + ["--sequences", "0:6"]) == 0
+    assert json.loads((tmp_path / "inplace" / "config.json").read_text())["tree_calibration"] == fitted

@@ -1,5 +1,7 @@
 """Offline acceptance must equal what the decoding loop accepts, round by round."""
 
+import copy
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from jetflow.models.target import TargetModel
 from jetflow.training.teacher import OnlineTeacher
 from jetflow.training.trainer import TrainConfig, Trainer
 from jetflow.tree.build import DraftTree
+from test_tree_calibration import skewed_calibration
 from tiny import tiny_model
 
 PROMPTS = [[10, 20, 30, 40, 50], [7, 7, 8, 9], [100, 3, 5, 200, 11, 12]]
@@ -103,6 +106,30 @@ def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, 
     assert all(want is None or got == want for got, want in zip(replayed, decoded))
     with pytest.raises(JetFlowError, match="lookup"):
         offline_acceptance(head, target, sequences, teacher, [0], [budget], width, anchors_per_seq=4, lookup=True)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_calibrated_replay_equals_the_decoding_loop(target, sequences, head, lookup):
+    """A head with a tree calibration: decoding and the replay both build its calibrated trees (and
+    they differ from the uncalibrated ones, so neither side can be ignoring it)."""
+    if head.config.path_refine:
+        pytest.skip("the second pass's rows are not calibrated")
+    calibrated = copy.deepcopy(head)
+    calibrated.config.tree_calibration = skewed_calibration(head.config.block_size - 1, seed=3).to_json()
+    teacher = OnlineTeacher(target, None)
+    budget, width = 6, 3
+    replayed = offline_acceptance(calibrated, target, sequences, teacher, [0, 1, 2], [budget], width, lookup=lookup)
+    plain = offline_acceptance(calibrated, target, sequences, teacher, [0, 1, 2], [budget], width, lookup=lookup,
+                               calibrated=False)
+    assert plain.depths[budget] == offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [budget], width,
+                                                      lookup=lookup).depths[budget]
+    assert replayed.depths[budget] != plain.depths[budget]
+    decoded = []
+    for seq in sequences:
+        lengths = decode_rounds(target, calibrated, seq, budget, width, lookup=lookup)
+        decoded += [n - 1 for n in lengths[:-1]] + [None]
+    assert len(replayed.depths[budget]) == len(decoded)
+    assert all(want is None or got == want for got, want in zip(replayed.depths[budget], decoded))
 
 
 def test_lookup_replay_copies_what_the_answer_repeats(target):

@@ -12,24 +12,32 @@ from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
 from jetflow.models.int8 import int8_linear, int8_linears
 from jetflow.tree.build import DraftTree, build_tree
+from jetflow.tree.calibration import TreeCalibration
 
 
 class BlockProposal:
     """One block forward's per-depth distributions; a tree of any budget is built from them."""
 
-    def __init__(self, depth_logprobs: torch.Tensor, root: int, width: int, vocab_ids: torch.Tensor | None = None):
+    def __init__(self, depth_logprobs: torch.Tensor, root: int, width: int, vocab_ids: torch.Tensor | None = None,
+                 calibration: TreeCalibration | None = None):
         """depth_logprobs [D, V'] over the target vocabulary, or over a reduced draft vocabulary
-        whose target ids are ``vocab_ids`` (the top-w search then scans V' = Vd entries, not V)."""
+        whose target ids are ``vocab_ids`` (the top-w search then scans V' = Vd entries, not V).
+        ``calibration``: the head's tree calibration (node scores are then acceptance log-probs)."""
         self.depth_logprobs, self.root, self.width, self.vocab_ids = depth_logprobs, root, width, vocab_ids
+        self.calibration = calibration
 
     def tree(self, budget: int) -> DraftTree:
-        return build_tree(self.depth_logprobs, self.root, budget, self.width, vocab_ids=self.vocab_ids)
+        return build_tree(self.depth_logprobs, self.root, budget, self.width, vocab_ids=self.vocab_ids,
+                          calibration=self.calibration)
 
 
 class BlockDrafter:
-    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None):
+    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None,
+                 calibrated: bool = True):
         """``refine``: run the path-conditioned second pass each round (decoding/refine.py); None: when
-        the head was trained for it (``config.path_refine``)."""
+        the head was trained for it (``config.path_refine``). ``calibrated``: build trees with the
+        head's tree calibration when its checkpoint has one (not with the second pass, whose rows
+        it was not fitted on)."""
         check_compatible(head.config, target)
         self.refine = head.config.path_refine if refine is None else refine
         if self.refine and head.config.attention != "causal":
@@ -46,6 +54,7 @@ class BlockDrafter:
             self.run_head.fc = self.head.fc  # context fusion runs in extend() on the float head; forward reads its dtype
             self.lm_head = int8_linear(self.lm_weight)
         self.draft_ids = head.draft_ids
+        self.calibration = head.config.calibration if calibrated and not self.refine else None
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size
         self.reset()
@@ -98,7 +107,11 @@ class BlockDrafter:
         first = self.head_logprobs(anchor, position, depth)[:room]
         if self.refine and first.shape[0] >= 2:
             return refined_proposal(self, anchor, position, first, width)
-        return BlockProposal(first, anchor, width, self.draft_ids)
+        return self.proposal(first, anchor, width)
+
+    def proposal(self, depth_logprobs: torch.Tensor, anchor: int, width: int) -> BlockProposal:
+        """The proposal of a round from this head's log-probabilities [D, Vd] (however they were computed)."""
+        return BlockProposal(depth_logprobs, anchor, width, self.draft_ids, self.calibration)
 
     def depth_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
         """Draft log-probabilities [D, V] over the target vocabulary (tokens outside a reduced

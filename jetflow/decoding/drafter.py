@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from jetflow.decoding.block_drafter import BlockDrafter, BlockProposal, head_logprobs_many
+from jetflow.decoding.block_drafter import BlockDrafter, head_logprobs_many
 from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.models.backend import TargetBackend
@@ -77,7 +77,7 @@ def propose_many(drafters: list[Drafter], anchors: list[int], positions: list[in
         logprobs = head_logprobs_many([base[i] for i in members], [anchors[i] for i in members],
                                       [positions[i] for i in members], depths)
         for i, lp in zip(members, logprobs):
-            head = BlockProposal(lp[:rooms[i]], anchors[i], widths[i], base[i].draft_ids)
+            head = base[i].proposal(lp[:rooms[i]], anchors[i], widths[i])
             d = drafters[i]
             proposals[i] = (d.propose(anchors[i], positions[i], rooms[i], widths[i], max_nodes[i], primary=head)
                             if isinstance(d, MixedDrafter) else head)

@@ -112,7 +112,7 @@ class OfflineAcceptance:
                 "depth_acceptance": [c / max(1, largest) for c in self.depth_reached]}
 
 
-class _Rounds:
+class ReplayRounds:
     """Accepted draft tokens of a round at any anchor of one sequence, for every budget.
 
     Per anchor, one best-first tree at the largest budget serves all budgets (a smaller budget's
@@ -121,24 +121,29 @@ class _Rounds:
     outside a reduced vocabulary can never be drafted)."""
 
     def __init__(self, head, embed, lm_weight, draft_index, features, seq, largest: int, width: int,
-                 chunk: int = 16, refine: bool = False):  # small chunks: the block-to-block mask grows as chunk^2
+                 chunk: int = 16, refine: bool = False, calibration=None):  # small chunks: the block-to-block mask grows as chunk^2
         self.head, self.embed, self.lm_weight, self.features = head, embed, lm_weight, features
         self.tokens = torch.tensor(seq.token_ids)
         ids = self.tokens if draft_index is None else draft_index[self.tokens]
         self.ids = ids.tolist()  # the sequence in draft-vocabulary ids (-1: outside it)
         self.largest, self.width, self.chunk, self.refine = largest, width, chunk, refine
+        self.calibration = calibration  # the head's tree calibration, as decoding uses it (None: none)
         self.block = head.config.block_size
         self.paths: dict[int, tuple[list[int], int]] = {}  # anchor -> (tree path nodes, chain length)
         self.trees: dict[int, DraftTree] = {}  # anchor -> its tree at the largest budget (kept for lookup)
         self.draft_ids = None if head.draft_ids is None else head.draft_ids.cpu()
         self.context = None
 
-    def _fill(self, anchors: list[int]) -> None:
-        picks = torch.tensor(anchors)
-        blocks = make_blocks(self.tokens, picks, self.block, self.head.config.mask_token_id)
+    def first_pass(self, anchors: list[int]):
+        """The head's blocks at ``anchors`` and their depth log-probabilities [K, B-1, Vd]."""
+        blocks = make_blocks(self.tokens, torch.tensor(anchors), self.block, self.head.config.mask_token_id)
         if self.context is None:
             self.context = block_context(self.head, self.features)
-        logprobs = self._depth_logprobs(blocks)  # [K, B-1, Vd]
+        return blocks, self._depth_logprobs(blocks)
+
+    def _fill(self, anchors: list[int]) -> None:
+        picks = torch.tensor(anchors)
+        blocks, logprobs = self.first_pass(anchors)  # [K, B-1, Vd]
         second = None
         if self.refine:  # [anchor, t1..t(B-1)]: slot j+1 reads t_j, a causal head's row after t1..tj
             path = logprobs.argmax(-1)  # draft ids
@@ -150,7 +155,7 @@ class _Rounds:
             d = len(continuation)
             depth_lp = logprobs[k, :d]
             if second is None:
-                tree = build_tree(depth_lp, self.ids[a], self.largest, self.width)
+                tree = build_tree(depth_lp, self.ids[a], self.largest, self.width, calibration=self.calibration)
             else:
                 rows = torch.cat([depth_lp, second[k, :d - 1]])
                 tree = build_tree_rows(rows, path_rows(d, path[k, :d].tolist()), self.ids[a], self.largest, self.width)
@@ -173,20 +178,20 @@ class _Rounds:
         tree, chain = self.paths[anchor]
         return chain if budget == CHAIN else accepted_depth(tree, budget)
 
-    def accepted_with_lookup(self, anchor: int, budget: int, calibration: LookupCalibration) -> int:
+    def accepted_with_lookup(self, anchor: int, budget: int, lookup_rates: LookupCalibration) -> int:
         """Draft tokens accepted from the head's tree merged with the lookup chain (as
-        MixedDrafter.propose builds it), and the round counted into ``calibration`` as decoding does."""
+        MixedDrafter.propose builds it), and the round counted into ``lookup_rates`` as decoding does."""
         self._walk_to(anchor)
         history = self.tokens[:anchor + 1].numpy()
         ngram, chain = lookup_match(history, MAX_NGRAM, MAX_DRAFT)
         root = int(self.tokens[anchor])
         proposal = MixedProposal(_HeadTree(self.trees[anchor], root, self.draft_ids), root, chain,
-                                 calibration.rates(ngram, len(chain)))
+                                 lookup_rates.rates(ngram, len(chain)))
         tree = proposal.tree(budget)
         nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
         if chain and len(tree) > 1:
             verified = len(path_nodes(tree, chain))
-            calibration.observe(ngram, verified, chain_followed(chain, tree, [0, *nodes]))
+            lookup_rates.observe(ngram, verified, chain_followed(chain, tree, [0, *nodes]))
         return len(nodes)
 
     def _walk_to(self, anchor: int) -> None:
@@ -198,7 +203,7 @@ class _Rounds:
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
                        anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None,
-                       lookup: bool = False) -> OfflineAcceptance:
+                       lookup: bool = False, calibrated: bool = True) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
@@ -209,7 +214,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
     replay the path-conditioned second pass (None: when decoding would run it, ``config.path_refine``);
     only for heads that shift tokens. The chain stays the first pass's. ``lookup``: the trees hold the
-    prompt-lookup chain too (decoding's default; only where decoding puts the rounds)."""
+    prompt-lookup chain too (decoding's default; only where decoding puts the rounds). ``calibrated``:
+    build the trees with the head's tree calibration when it has one (as decoding does)."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
@@ -227,6 +233,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     lm_weight = head.output_weight(target.lm_head_weight())
     draft_index = None if head.draft_ids is None else target_to_draft_index(head.draft_ids.cpu(), target.vocab_size)
     budgets = sorted(budgets)
+    calibration = head.config.calibration if calibrated and not refine else None
     walk = anchors is None and anchors_per_seq == 0
     result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform", lookup=lookup)
     g = torch.Generator().manual_seed(seed)
@@ -236,14 +243,15 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         if last < seq.prompt_len:
             continue
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
-        rounds = _Rounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width, refine=refine)
+        rounds = ReplayRounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width, refine=refine,
+                         calibration=calibration)
         if walk:
             for arm in [*budgets, CHAIN]:
-                calibration = LookupCalibration() if lookup and arm != CHAIN else None  # one per request
+                lookup_rates = LookupCalibration() if lookup and arm != CHAIN else None  # one per request
                 a = seq.prompt_len
                 while a <= last:
-                    depth = rounds.accepted(a, arm) if calibration is None else \
-                        rounds.accepted_with_lookup(a, arm, calibration)
+                    depth = rounds.accepted(a, arm) if lookup_rates is None else \
+                        rounds.accepted_with_lookup(a, arm, lookup_rates)
                     result.add(arm, depth)
                     a += depth + 1
         else:
@@ -288,7 +296,8 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
-                      seed: int = 0, log=print, refine: bool | None = None, lookup: bool = False) -> dict:
+                      seed: int = 0, log=print, refine: bool | None = None, lookup: bool = False,
+                      calibrated: bool = True) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
@@ -304,9 +313,10 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
-                                    width, anchors_per_seq, seed, refine=refine, lookup=lookup)
+                                    width, anchors_per_seq, seed, refine=refine, lookup=lookup, calibrated=calibrated)
         results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
-                              "refine": head.config.path_refine if refine is None else refine}
+                              "refine": head.config.path_refine if refine is None else refine,
+                              "calibrated": calibrated and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
     return {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),

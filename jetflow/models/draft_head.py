@@ -22,6 +22,7 @@ from torch import nn
 from jetflow.errors import JetFlowError
 from jetflow.models.draft_vocab import mapping_tensors
 from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
+from jetflow.tree.calibration import TreeCalibration
 from jetflow.utils.fs import replace_directory
 
 ATTENTION_KINDS = ("causal", "bidirectional")
@@ -75,6 +76,9 @@ class DraftHeadConfig:
     # ignores it when it can only reach it through attention (docs/results.md, path-conditioned pass).
     # A slot never reads its own token, so revealed slots can be supervised as well.
     shift_tokens: bool = False
+    # Maps draft log-probabilities to acceptance log-probabilities when building trees
+    # (tree/calibration.py; written by ``jetflow calibrate``). None: trees rank nodes by draft log-prob.
+    tree_calibration: dict | None = None
     target: dict = field(default_factory=dict)  # identity of the target the head was built for
     # "block": one forward drafts block_size - 1 depths. "eagle3": the autoregressive baseline
     # (jetflow/models/eagle_head.py); there block_size is the deepest draft tree level + 1.
@@ -91,6 +95,12 @@ class DraftHeadConfig:
             raise ValueError("target_layer_ids must not be empty")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.tree_calibration is not None:
+            TreeCalibration.from_json(self.tree_calibration)  # refuse a malformed one at load time
+
+    @property
+    def calibration(self) -> TreeCalibration | None:
+        return None if self.tree_calibration is None else TreeCalibration.from_json(self.tree_calibration)
 
     @property
     def reduced_vocab(self) -> bool:
@@ -135,6 +145,8 @@ class DraftHeadConfig:
         d = asdict(self)
         mask_token_id, layer_ids = d.pop("mask_token_id"), d.pop("target_layer_ids")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+        if d["tree_calibration"] is None:
+            del d["tree_calibration"]  # only calibrated checkpoints carry one
         return {
             "architectures": [ARCHITECTURES[self.kind]],
             "model_type": "qwen3",

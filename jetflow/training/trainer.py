@@ -36,6 +36,7 @@ from jetflow.utils.fs import replace_directory
 # Head kind -> loss of one sequence (the block head drafts all depths at once; the EAGLE head is unrolled).
 OBJECTIVES = {"block": block_sequence_loss, "eagle3": eagle_sequence_loss}
 AMP_DTYPES = {"": None, "bfloat16": torch.bfloat16}  # fp16 would need a gradient scaler
+EVAL_SEQUENCES = 16  # sequences a run holds out (at most a fifth of them): eval loss, agreement, `jetflow calibrate --held-out`
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     eval_every: int = 100
-    eval_sequences: int = 16
+    eval_sequences: int = EVAL_SEQUENCES
     draft_vocab: int = 0  # 0: predict the full target vocabulary
     feed_last_feature: bool = False
     depth_embedding: bool = False
@@ -179,6 +180,13 @@ def _directory_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
     return sequences
 
 
+def held_out_split(num_sequences: int, seed: int, eval_sequences: int) -> tuple[list[int], list[int]]:
+    """(held-out, training) indices into a run's sequences: a seeded shuffle, at most a fifth held out."""
+    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = min(eval_sequences, num_sequences // 5)
+    return order[:n_eval], order[n_eval:]
+
+
 class Trainer:
     def __init__(self, target: TargetModel, sequences: list[Sequence], out_dir: str | Path, config: TrainConfig,
                  head: DraftHead | None = None, teacher_cache: str | Path | None = None):
@@ -187,9 +195,7 @@ class Trainer:
         self.data_digest = tokens_digest(sequences)  # a run resumes only on the very same sequences
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        n_eval = min(config.eval_sequences, len(sequences) // 5)
-        self.eval_set, self.train_set = order[:n_eval], order[n_eval:]  # indices into ``sequences``
+        self.eval_set, self.train_set = held_out_split(len(sequences), config.seed, config.eval_sequences)
         torch.manual_seed(config.seed)
         fresh_head = head is None
         if head is None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jetflow.tree.calibration import TreeCalibration
+
 
 @dataclass
 class DraftTree:
@@ -79,25 +81,27 @@ def main_chain_nodes(parents) -> list[int]:
 
 
 def build_tree(depth_logprobs: torch.Tensor, root_token: int, budget: int, width: int,
-               vocab_ids: torch.Tensor | None = None) -> DraftTree:
+               vocab_ids: torch.Tensor | None = None, calibration: TreeCalibration | None = None) -> DraftTree:
     """Best-first tree over per-depth log-probabilities [D, V] (row d-1 = depth d); column j is
     token ``vocab_ids[j]`` when given (a reduced draft vocabulary), else token j.
 
     Adds at most ``budget`` draft nodes with depth <= D, each depth offering its top-``width`` tokens.
-    ``width=1`` gives a chain (DFlash's draft).
+    ``width=1`` gives a chain (DFlash's draft). With ``calibration``, a node's score adds its
+    calibrated log-probability of acceptance (tree/calibration.py) instead of its draft log-prob.
     """
     depth = depth_logprobs.shape[0]
     return build_tree_rows(depth_logprobs, lambda row, token: row + 1 if row + 1 < depth else None,
-                           root_token, budget, width, vocab_ids)
+                           root_token, budget, width, vocab_ids, calibration)
 
 
 def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: int, width: int,
-                    vocab_ids: torch.Tensor | None = None) -> DraftTree:
+                    vocab_ids: torch.Tensor | None = None, calibration: TreeCalibration | None = None) -> DraftTree:
     """Best-first tree where each node's children come from a row of ``logprobs`` [R, V]: the root's
     from row 0, and the children of a node that came from row r with token t from row
     ``next_row(r, t)`` (None: a leaf). Per-depth rows (:func:`build_tree`) are the case
     next_row(r, t) = r + 1; a path-conditioned pass gives the nodes of one path rows of their own
-    (decoding/refine.py)."""
+    (decoding/refine.py). ``calibration`` maps a child's draft log-prob, by its depth and whether
+    its parent is on the all-top-1 chain, to the log-prob the score adds."""
     if budget < 0 or width < 1:
         raise ValueError(f"budget must be >= 0 and width >= 1 (got {budget}, {width})")
     tree = DraftTree.root_only(root_token)
@@ -108,8 +112,16 @@ def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: i
     if vocab_ids is not None:
         top_ids = vocab_ids.to(top_ids.device)[top_ids]
     lp, ids = top_lp.tolist(), top_ids.tolist()  # one transfer; the search itself is pure Python
+    on_main = [True]  # per node: on the all-top-1 chain (the root is)
+
+    def gain(node: int, row: int, rank: int) -> float:  # what a child of ``node`` adds to its score
+        value = lp[row][rank]
+        if calibration is None or value == float("-inf"):
+            return value
+        return calibration.score(tree.depths[node] + 1, on_main[node], value)
+
     # Frontier entries: (-score, tie-breaker, parent node, row, rank).
-    frontier = [(-lp[0][0], 0, 0, 0, 0)]
+    frontier = [(-gain(0, 0, 0), 0, 0, 0, 0)]
     counter = 1
     while frontier and len(tree) - 1 < budget:
         neg, _, parent, row, rank = heapq.heappop(frontier)
@@ -117,12 +129,13 @@ def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: i
         if score == float("-inf"):  # only impossible tokens left (outside a reduced draft vocabulary)
             break
         node = tree.add(ids[row][rank], parent, score)
+        on_main.append(on_main[parent] and rank == 0)
         if rank + 1 < w:  # next-best sibling under the same parent
-            sib = tree.scores[parent] + lp[row][rank + 1]
+            sib = tree.scores[parent] + gain(parent, row, rank + 1)
             heapq.heappush(frontier, (-sib, counter, parent, row, rank + 1))
             counter += 1
         child_row = next_row(row, ids[row][rank])
         if child_row is not None:  # best child
-            heapq.heappush(frontier, (-(score + lp[child_row][0]), counter, node, child_row, 0))
+            heapq.heappush(frontier, (-(score + gain(node, child_row, 0)), counter, node, child_row, 0))
             counter += 1
     return tree
