@@ -280,7 +280,8 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(calibrate + ["--sequences", "0:6", "--out", str(tmp_path / "cal"), "--report",
                              str(tmp_path / "cal.json")]) == 0
     fitted = json.loads((tmp_path / "cal" / "config.json").read_text())["tree_calibration"]
-    assert len(fitted["main"]) == 3 and fitted == json.loads((tmp_path / "cal.json").read_text())["calibration"]
+    report = json.loads((tmp_path / "cal.json").read_text())
+    assert len(fitted["main"]) == 3 and fitted == report["calibration"] and report["reliability"][0]["depth"] == 1
     assert (tmp_path / "cal" / "model.safetensors").read_bytes() == (Path(drafter) / "model.safetensors").read_bytes()
     assert "tree_calibration" not in json.loads((Path(drafter) / "config.json").read_text())
     assert main(offline[:3] + ["--drafter", str(tmp_path / "cal")] + offline[7:]) == 0

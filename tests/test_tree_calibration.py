@@ -12,7 +12,7 @@ import torch
 from jetflow.models.draft_head import DrafterMismatchError, DraftHead, DraftHeadConfig, read_config
 from jetflow.tree.build import build_tree
 from jetflow.tree.calibration import (MIN_BIN, Curve, TreeCalibration, _isotonic, candidate_records,
-                                      fit_calibration, fit_curve)
+                                      fit_calibration, fit_curve, reliability)
 from jetflow.tree.mask import path_to_root
 
 
@@ -198,3 +198,14 @@ def test_json_roundtrip_and_validation(tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(DrafterMismatchError, match="config.json.*calibration"):
         read_config(tmp_path / "d")
+
+
+def test_reliability_table_counts_each_cell():
+    records = [(1, True, math.log(0.5), True), (1, True, math.log(0.3), False),
+               (2, False, math.log(0.2), True), (2, True, math.log(0.9), True)]
+    rows = reliability(records, depths=3)
+    assert rows == [
+        {"depth": 1, "parent_on_main": True, "candidates": 2, "mean_draft_prob": pytest.approx(0.4), "accept_rate": 0.5},
+        {"depth": 2, "parent_on_main": True, "candidates": 1, "mean_draft_prob": pytest.approx(0.9), "accept_rate": 1.0},
+        {"depth": 2, "parent_on_main": False, "candidates": 1, "mean_draft_prob": pytest.approx(0.2), "accept_rate": 1.0},
+    ]

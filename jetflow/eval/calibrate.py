@@ -22,7 +22,7 @@ from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
-from jetflow.tree.calibration import TreeCalibration, candidate_records, fit_calibration
+from jetflow.tree.calibration import TreeCalibration, candidate_records, fit_calibration, reliability
 from jetflow.utils.fs import replace_directory
 
 
@@ -52,12 +52,14 @@ def calibration_records(head: DraftHead, target: TargetModel, sequences: list[Se
 
 
 def fit_head_calibration(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher,
-                         indices: list[int], width: int) -> TreeCalibration:
+                         indices: list[int], width: int) -> tuple[TreeCalibration, list[dict]]:
+    """The head's calibration and the reliability table of the records it was fitted on."""
     if head.config.kind != "block":
         raise JetFlowError(f"tree calibration is for block heads; this one is {head.config.kind!r}")
     records = calibration_records(head, target, sequences, teacher, indices, width)
+    depths = head.config.block_size - 1
     try:
-        return fit_calibration(records, head.config.block_size - 1)
+        return fit_calibration(records, depths), reliability(records, depths)
     except ValueError as e:
         raise JetFlowError(str(e)) from None
 
@@ -101,9 +103,10 @@ def calibrate_drafter(target: TargetModel, drafter_dir: str | Path, data_dir, ou
     target.set_tapped_layers(head.config.target_layer_ids)
     teacher = eval_teacher(target, sequences, max(indices) + 1, teacher_cache, head.config.target_layer_ids)
     t0 = time.perf_counter()
-    calibration = fit_head_calibration(head, target, sequences, teacher, indices, width)
+    calibration, table = fit_head_calibration(head, target, sequences, teacher, indices, width)
     write_calibrated(drafter_dir, calibration, out)
     log(f"{out}: tree calibration from {calibration.samples} candidates of {len(indices)} sequences "
         f"({time.perf_counter() - t0:.0f} s)")
     return {"drafter": str(drafter_dir), "out": str(out), "data": data_label(data_dir), "sequences": indices,
-            "width": width, "samples": calibration.samples, "calibration": calibration.to_json()}
+            "width": width, "samples": calibration.samples, "reliability": table,
+            "calibration": calibration.to_json()}

@@ -145,3 +145,17 @@ def fit_calibration(records: list[tuple], depths: int) -> TreeCalibration:
                 curves[(d, main)] = other
     return TreeCalibration([curves[(d, True)] for d in range(1, depths + 1)],
                            [curves[(d, False)] for d in range(1, depths + 1)], samples=len(records))
+
+
+def reliability(records: list[tuple], depths: int) -> list[dict]:
+    """Per depth and kind of parent: candidates, their mean draft probability and how many the
+    target accepted -- how far the head's own probabilities are from acceptance, before any fit."""
+    rows = []
+    for d in range(1, depths + 1):
+        for main in (True, False):
+            cell = [(math.exp(lp), a) for dd, m, lp, a in records if dd == d and bool(m) == main]
+            if cell:
+                rows.append({"depth": d, "parent_on_main": main, "candidates": len(cell),
+                             "mean_draft_prob": sum(p for p, _ in cell) / len(cell),
+                             "accept_rate": sum(a for _, a in cell) / len(cell)})
+    return rows
