@@ -7,25 +7,31 @@ from jetflow.tree.build import DraftTree, build_tree
 from jetflow.tree.mask import path_to_root
 
 
-def brute_force_best(logprobs, budget, width):
+def brute_force_best(logprobs, budget, width, calibration=None):
     """Enumerate every path of candidates (depth <= D, top-width per depth) and keep the best
-    ``budget`` by cumulative log-probability."""
+    ``budget`` by cumulative log-probability (or calibrated score)."""
     depth = logprobs.shape[0]
-    return brute_force_rows(logprobs, lambda row, token: row + 1 if row + 1 < depth else None, budget, width)
+    return brute_force_rows(logprobs, lambda row, token: row + 1 if row + 1 < depth else None, budget, width,
+                            calibration)
 
 
-def brute_force_rows(rows, next_row, budget, width):
-    """Every candidate path (each node's children: the top-``width`` of its row), best ``budget``."""
+def brute_force_rows(rows, next_row, budget, width, calibration=None):
+    """Every candidate path (each node's children: the top-``width`` of its row), best ``budget``;
+    with ``calibration``, each node's score is recomputed from scratch through it (the path's ranks
+    say whether a parent is on the all-top-1 chain)."""
     top_lp, top_ids = rows.topk(width, dim=-1)
-    paths, stack = [], [((), 0.0, 0)]
+    paths, stack = [], [((), (), 0.0, 0)]
     while stack:
-        tokens, score, row = stack.pop()
+        tokens, ranks, score, row = stack.pop()
         if row is None:
             continue
         for r in range(width):
-            tok, s = int(top_ids[row, r]), score + float(top_lp[row, r])
+            lp = float(top_lp[row, r])
+            if calibration is not None:
+                lp = calibration.score(len(tokens) + 1, all(x == 0 for x in ranks), lp)
+            tok, s = int(top_ids[row, r]), score + lp
             paths.append((s, tokens + (tok,)))
-            stack.append((tokens + (tok,), s, next_row(row, tok)))
+            stack.append((tokens + (tok,), ranks + (r,), s, next_row(row, tok)))
     paths.sort(key=lambda x: -x[0])
     return paths[:budget]
 

@@ -14,6 +14,7 @@ from jetflow.tree.build import build_tree
 from jetflow.tree.calibration import (MIN_BIN, Curve, TreeCalibration, _isotonic, candidate_records,
                                       fit_calibration, fit_curve, reliability)
 from jetflow.tree.mask import path_to_root
+from test_tree_build import brute_force_best
 
 
 def isotonic_reference(values, weights):
@@ -109,24 +110,6 @@ def skewed_calibration(depths: int, seed: int) -> TreeCalibration:
     return TreeCalibration([curve() for _ in range(depths)], [curve() for _ in range(depths)])
 
 
-def brute_force_calibrated(logprobs, budget, width, cal):
-    """Every candidate path, scored from scratch with the calibration; the best ``budget``."""
-    top_lp, top_ids = logprobs.topk(width, dim=-1)
-    paths, stack = [], [((), (), 0.0)]
-    while stack:
-        tokens, ranks, score = stack.pop()
-        d = len(tokens)
-        if d == logprobs.shape[0]:
-            continue
-        for r in range(width):
-            main = all(x == 0 for x in ranks)
-            s = score + cal.score(d + 1, main, float(top_lp[d, r]))
-            paths.append((s, tokens + (int(top_ids[d, r]),)))
-            stack.append((tokens + (int(top_ids[d, r]),), ranks + (r,), s))
-    paths.sort(key=lambda x: -x[0])
-    return paths[:budget]
-
-
 @pytest.mark.parametrize("seed", range(15))
 def test_calibrated_best_first_equals_brute_force(seed):
     rng = random.Random(seed)
@@ -136,7 +119,7 @@ def test_calibrated_best_first_equals_brute_force(seed):
     total = sum(width ** d for d in range(1, depth + 1))
     budget = rng.randint(0, total + 3)
     tree = build_tree(logprobs, root_token=99, budget=budget, width=width, calibration=cal)
-    expected = brute_force_calibrated(logprobs, budget, width, cal)
+    expected = brute_force_best(logprobs, budget, width, calibration=cal)
     got = [(tree.scores[n], tuple(tree.tokens[j] for j in path_to_root(tree.parents, n)[1:]))
            for n in range(1, len(tree))]
     assert len(tree) - 1 == min(budget, total)
