@@ -32,12 +32,10 @@ class BlockProposal:
 
 
 class BlockDrafter:
-    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None,
-                 calibrated: bool = True):
+    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None):
         """``refine``: run the path-conditioned second pass each round (decoding/refine.py); None: when
-        the head was trained for it (``config.path_refine``). ``calibrated``: build trees with the
-        head's tree calibration when its checkpoint has one (not with the second pass, whose rows
-        it was not fitted on)."""
+        the head was trained for it (``config.path_refine``). Trees use the head's tree calibration
+        when its checkpoint has one (not with the second pass, whose rows it was not fitted on)."""
         check_compatible(head.config, target)
         self.refine = head.config.path_refine if refine is None else refine
         if self.refine and head.config.attention != "causal":
@@ -54,7 +52,7 @@ class BlockDrafter:
             self.run_head.fc = self.head.fc  # context fusion runs in extend() on the float head; forward reads its dtype
             self.lm_head = int8_linear(self.lm_weight)
         self.draft_ids = head.draft_ids
-        self.calibration = head.config.calibration if calibrated and not self.refine else None
+        self.calibration = None if self.refine else head.config.calibration
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size
         self.reset()

@@ -64,16 +64,13 @@ def fit_head_calibration(head: DraftHead, target: TargetModel, sequences: list[S
         raise JetFlowError(str(e)) from None
 
 
-def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration | None, out: str | Path) -> Path:
-    """A copy of checkpoint ``drafter_dir`` at ``out`` whose config.json holds ``calibration`` (None:
-    drops it); every other file is copied byte for byte. ``out`` may be ``drafter_dir`` itself: the
-    new directory replaces it only once complete."""
+def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration, out: str | Path) -> Path:
+    """A copy of checkpoint ``drafter_dir`` at ``out`` whose config.json holds ``calibration``; every
+    other file is copied byte for byte. ``out`` may be ``drafter_dir`` itself: the new directory
+    replaces it only once complete."""
     src = Path(drafter_dir)
     config = json.loads((src / "config.json").read_text())
-    if calibration is None:
-        config.pop("tree_calibration", None)
-    else:
-        config["tree_calibration"] = calibration.to_json()
+    config["tree_calibration"] = calibration.to_json()
     with replace_directory(Path(out)) as tmp:
         for f in src.iterdir():
             if f.is_file() and f.name != "config.json":

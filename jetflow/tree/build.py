@@ -112,13 +112,17 @@ def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: i
     if vocab_ids is not None:
         top_ids = vocab_ids.to(top_ids.device)[top_ids]
     lp, ids = top_lp.tolist(), top_ids.tolist()  # one transfer; the search itself is pure Python
-    on_main = [True]  # per node: on the all-top-1 chain (the root is)
+    on_main = [True]  # per node: on the all-top-1 chain (the root is); read only when calibrated
 
-    def gain(node: int, row: int, rank: int) -> float:  # what a child of ``node`` adds to its score
+    # What a child of ``node`` (its row's ``rank``-th token) adds to its parent's score.
+    def draft_gain(node: int, row: int, rank: int) -> float:
+        return lp[row][rank]
+
+    def calibrated_gain(node: int, row: int, rank: int) -> float:
         value = lp[row][rank]
-        if calibration is None or value == float("-inf"):
-            return value
-        return calibration.score(tree.depths[node] + 1, on_main[node], value)
+        return value if value == float("-inf") else calibration.score(tree.depths[node] + 1, on_main[node], value)
+
+    gain = draft_gain if calibration is None else calibrated_gain
 
     # Frontier entries: (-score, tie-breaker, parent node, row, rank).
     frontier = [(-gain(0, 0, 0), 0, 0, 0, 0)]
@@ -129,7 +133,8 @@ def build_tree_rows(logprobs: torch.Tensor, next_row, root_token: int, budget: i
         if score == float("-inf"):  # only impossible tokens left (outside a reduced draft vocabulary)
             break
         node = tree.add(ids[row][rank], parent, score)
-        on_main.append(on_main[parent] and rank == 0)
+        if calibration is not None:
+            on_main.append(on_main[parent] and rank == 0)
         if rank + 1 < w:  # next-best sibling under the same parent
             sib = tree.scores[parent] + gain(parent, row, rank + 1)
             heapq.heappush(frontier, (-sib, counter, parent, row, rank + 1))
