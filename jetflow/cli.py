@@ -289,6 +289,20 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    from jetflow.training.revocab import widen_drafter_vocab
+
+    if not Path(args.drafter).is_dir():
+        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    if Path(args.out).resolve() == Path(args.drafter).resolve():
+        raise JetFlowError("--out must be a new directory (the widened head drops the tree calibration; "
+                           "run `jetflow calibrate --out` on it afterwards)")
+    target = _load_jetflow_target(args, training=True)
+    report = widen_drafter_vocab(target, args.drafter, args.data, args.size, args.out, seed=args.seed)
+    print(json.dumps(report))
+    return 0
+
+
 def cmd_eval_agreement(args) -> int:
     from jetflow.eval.depth_agreement import evaluate_agreement
     from jetflow.utils.fs import write_json_atomic
@@ -564,6 +578,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank tree nodes by draft log-prob even for heads with a tree calibration (`jetflow calibrate`)")
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     o.set_defaults(func=cmd_eval_offline)
+    w = sub.add_parser("draft-vocab", help="grow a trained head's draft vocabulary (same weights; the most "
+                                           "frequent answer tokens of its training data are added)")
+    _add_target_args(w)
+    w.add_argument("--drafter", required=True, help="reduced-vocabulary head checkpoint directory")
+    w.add_argument("--data", action="append", required=True, metavar="DIR",
+                   help="the regenerated data the head was trained on (repeat, in training order)")
+    w.add_argument("--seed", type=int, default=0, help="the training run's --seed (its held-out split is not counted)")
+    w.add_argument("--size", type=_non_negative_int, required=True,
+                   help="new number of draft ids (0: the whole target vocabulary)")
+    w.add_argument("--out", required=True, help="directory for the widened head (then `jetflow calibrate` it)")
+    w.set_defaults(func=cmd_draft_vocab)
     k = sub.add_parser("calibrate", help="fit a block head's tree calibration (draft log-prob -> acceptance "
                                          "log-prob, per depth) on held-out regenerated sequences")
     _add_target_args(k)

@@ -292,3 +292,23 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     shutil.copytree(drafter, tmp_path / "inplace")
     assert main(calibrate[:4] + [str(tmp_path / "inplace")] + calibrate[5:] + ["--sequences", "0:6"]) == 0
     assert json.loads((tmp_path / "inplace" / "config.json").read_text())["tree_calibration"] == fitted
+    # A wider draft vocabulary: the same weights, every old id kept, the calibration dropped (its
+    # log-probs change); refused in place and for a smaller size.
+    widen = ["draft-vocab", "--target", str(tiny_dir), "--drafter", str(tmp_path / "cal"), "--data",
+             str(tmp_path / "data"), "--size", "60", "--out", str(tmp_path / "wide")]
+    assert main(widen) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["draft_vocab"] == [40, 60]
+    from safetensors.torch import load_file
+
+    from jetflow.models.checkpoint import load_drafter
+
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 60 and "tree_calibration" not in config
+    old, new = load_drafter(tmp_path / "cal"), load_drafter(tmp_path / "wide")
+    assert set(old.draft_ids.tolist()) < set(new.draft_ids.tolist())
+    before, after = load_file(tmp_path / "cal" / "model.safetensors"), load_file(tmp_path / "wide" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(before[k].equal(after[k]) for k in before if k not in ("d2t", "t2d"))
+    assert main(widen[:-1] + [str(tmp_path / "cal")]) == 2 and "new directory" in capsys.readouterr().err
+    assert main(widen[:-3] + ["30", "--out", str(tmp_path / "narrow")]) == 2
+    assert "only grows" in capsys.readouterr().err and not (tmp_path / "narrow").exists()

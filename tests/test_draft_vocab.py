@@ -8,7 +8,8 @@ import jetflow
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockDrafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
-from jetflow.models.draft_vocab import mapping_tensors, select_draft_vocab, target_to_draft_index, token_counts
+from jetflow.models.draft_vocab import (mapping_tensors, select_draft_vocab, target_to_draft_index, token_counts,
+                                       widened_draft_vocab)
 from jetflow.models.target import TargetModel
 from tiny import tiny_model
 
@@ -89,3 +90,46 @@ def test_reduced_head_proposes_only_its_tokens_and_stays_lossless(target, attent
     for prompt in ([1, 2, 3], [40, 41, 42, 43, 44]):
         assert jf.generate(prompt, max_new_tokens=25).token_ids == \
             jetflow.generate(target, prompt, max_new_tokens=25).token_ids
+
+
+def test_widened_vocabulary_keeps_every_id_and_adds_the_most_frequent():
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 50, size=100)
+    current = torch.tensor([2, 50, 97])
+    ids = widened_draft_vocab(current, counts, 10)
+    rest = sorted((i for i in range(100) if i not in (2, 50, 97)), key=lambda i: (-counts[i], i))[:7]
+    assert ids.tolist() == sorted([2, 50, 97] + rest)
+    assert widened_draft_vocab(current, counts, 0) is None and widened_draft_vocab(current, counts, 100) is None
+    with pytest.raises(ValueError, match="only grows"):
+        widened_draft_vocab(current, counts, 2)
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        widened_draft_vocab(None, counts, 10)
+
+
+@pytest.mark.parametrize("wider", [200, None])
+def test_widened_head_scores_its_old_ids_exactly_as_before(target, wider):
+    """Same weights, more output rows: every old id's logit is unchanged (brute force over the full
+    LM head), the new ids get the logits of the same hidden states, and the calibration is dropped."""
+    ids = list(range(0, 272, 3))
+    head = reduced_head(target, ids)
+    identity = [[[-5.0, 0.0], [-5.0, 0.0]]] * 5  # one curve per depth (only its removal is checked)
+    head.config.tree_calibration = {"main": identity, "off_main": identity}
+    counts = np.arange(272)[::-1].copy()
+    new_ids = widened_draft_vocab(head.draft_ids, counts, wider or 0)
+    wide = head.with_draft_vocab(new_ids)
+    assert wide.config.tree_calibration is None and wide.config.draft_vocab_size == wider
+    assert wide.draft_ids is None if wider is None else set(ids) < set(wide.draft_ids.tolist())
+    drafter_old, drafter_new = BlockDrafter(head, target), BlockDrafter(wide, target)
+    out = target.prefill([5, 6, 7, 8])
+    drafter_old.extend(out.hidden)
+    drafter_new.extend(out.hidden)
+    hidden = torch.randn(3, head.config.hidden_size)
+    full = hidden @ target.lm_head_weight().T
+    torch.testing.assert_close(hidden @ head.output_weight(target.lm_head_weight()).T, full[:, ids])
+    torch.testing.assert_close(hidden @ wide.output_weight(target.lm_head_weight()).T,
+                               full if wider is None else full[:, new_ids])
+    old, new = drafter_old.depth_logprobs(9, 4), drafter_new.depth_logprobs(9, 4)
+    # log-softmax over more ids: the old ids keep their order and differences
+    diff = new[:, ids] - old[:, ids]
+    torch.testing.assert_close(diff, diff[:, :1].expand_as(diff))
+    assert torch.isfinite(new[:, new_ids if wider else slice(None)]).all()

@@ -18,8 +18,14 @@ import math
 import numpy as np
 import torch
 
-from jetflow.decoding.lookup_drafter import MAX_DRAFT, MAX_NGRAM, lookup_match
+from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
 from jetflow.tree.build import DraftTree
+
+# Longer than plain lookup's 10 tokens: a merged chain only gets the nodes its calibrated value buys,
+# and once the target follows a copy it tends to go on. GSM8K-50 replayed with the fifth drafter:
+# 10 -> 32 tokens lifts tau@64 4.36 -> 4.47 and tau@256 4.70 -> 4.81; 64 adds nothing more
+# (docs/results.md, "Longer lookup chains").
+MAX_CHAIN = 32
 
 
 def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
@@ -35,7 +41,7 @@ class LookupCalibration:
     one half), not towards a constant: deep depths are tried rarely, and once the target follows a
     copy it tends to go on following it, so an unseen depth is best guessed from the one above it."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_DRAFT, prior: float = 2.0):
+    def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_CHAIN, prior: float = 2.0):
         self.prior = prior
         self.hits = np.zeros((max_ngram + 1, max_depth + 1))
         self.trials = np.zeros((max_ngram + 1, max_depth + 1))
@@ -95,7 +101,7 @@ class MixedProposal:
 class MixedDrafter:
     """A head's drafter with prompt lookup merged into its trees (the :class:`Drafter` interface)."""
 
-    def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
+    def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_CHAIN):
         self.primary, self.target = primary, target
         self.head, self.block_size = primary.head, primary.block_size
         self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)

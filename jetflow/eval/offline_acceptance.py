@@ -29,8 +29,8 @@ import torch
 
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import draft_logprobs
-from jetflow.decoding.lookup_drafter import MAX_DRAFT, MAX_NGRAM, lookup_match
-from jetflow.decoding.mixed_drafter import LookupCalibration, MixedProposal, chain_followed
+from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
+from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, chain_followed
 from jetflow.decoding.refine import path_rows
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
@@ -183,7 +183,7 @@ class ReplayRounds:
         MixedDrafter.propose builds it), and the round counted into ``lookup_rates`` as decoding does."""
         self._walk_to(anchor)
         history = self.tokens[:anchor + 1].numpy()
-        ngram, chain = lookup_match(history, MAX_NGRAM, MAX_DRAFT)
+        ngram, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
         root = int(self.tokens[anchor])
         proposal = MixedProposal(_HeadTree(self.trees[anchor], root, self.draft_ids), root, chain,
                                  lookup_rates.rates(ngram, len(chain)))

@@ -12,7 +12,7 @@ Weights and config follow the DFlash naming (``layers.N.self_attn.q_proj``, ``fc
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -223,6 +223,18 @@ class DraftHead(nn.Module):
         if not self.config.reduced_vocab:
             return None
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def with_draft_vocab(self, draft_ids: torch.Tensor | None) -> "DraftHead":
+        """The same weights predicting another set of target ids (None: the whole vocabulary). No
+        learned weight depends on the set: the output rows are the target's own LM-head rows. The tree
+        calibration is dropped, since the draft log-probabilities it was fitted on change."""
+        size = None if draft_ids is None or draft_ids.numel() >= self.config.vocab_size else draft_ids.numel()
+        head = type(self)(replace(self.config, draft_vocab_size=size, tree_calibration=None))
+        state = {k: v for k, v in self.state_dict().items() if k not in ("d2t", "t2d")}
+        head.load_state_dict(state, strict=False)
+        if size is not None:
+            head.set_draft_vocab(draft_ids)
+        return head.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
 
     def output_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's (shared, frozen) LM head that the head predicts."""

@@ -46,6 +46,19 @@ def select_draft_vocab(counts: np.ndarray, size: int, required: Iterable[int] = 
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def widened_draft_vocab(current: torch.Tensor | None, counts: np.ndarray, size: int) -> torch.Tensor | None:
+    """A head's draft ids grown to ``size`` (0 or the vocabulary size: all of it): every current id
+    kept, the most frequent others of ``counts`` added. None for the whole vocabulary."""
+    vocab_size = len(counts)
+    if size == 0 or size >= vocab_size:
+        return None
+    if current is None:
+        raise ValueError("the head already predicts the whole vocabulary; a draft vocabulary cannot grow from there")
+    if size < current.numel():
+        raise ValueError(f"a draft vocabulary only grows: the head has {current.numel()} ids, asked for {size}")
+    return select_draft_vocab(counts, size, current.tolist())
+
+
 def mapping_tensors(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t offsets [Vd] int64, t2d mask [V] bool) for sorted, distinct ``draft_ids``."""
     ids = draft_ids.long()
