@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_vocab import token_counts, widened_draft_vocab
@@ -32,8 +30,9 @@ def widen_drafter_vocab(target, drafter: str | Path, data, size: int, out: str |
     except ValueError as e:
         raise JetFlowError(f"{drafter}: {e}") from None
     head.with_draft_vocab(ids).save_pretrained(out)
-    answers = counts.sum()
-    covered = lambda d: 1.0 if d is None else float(counts[d.numpy()].sum() / max(1, answers))  # noqa: E731
+    def covered(ids) -> float:  # share of the training answers' tokens inside a draft vocabulary
+        return 1.0 if ids is None else float(counts[ids.numpy()].sum() / max(1, counts.sum()))
+
     return {"drafter": str(drafter), "out": str(out), "draft_vocab": [head.config.draft_vocab_size or target.vocab_size,
                                                                       size or target.vocab_size],
             "training_answer_tokens_covered": [covered(head.draft_ids), covered(ids)]}
