@@ -101,13 +101,14 @@ def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
 def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path, capsys, monkeypatch):
     args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--baseline-drafter",
             str(heads["bidirectional"]), "--eagle-drafter", str(heads["eagle3"]), "--datasets",
-            "gsm8k,mtbench,humaneval", "--limit", "1", "--methods", "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain,eagle3",
+            "gsm8k,mtbench,humaneval", "--limit", "1", "--methods",
+            "ar,hf,pld,dflash,ddtree,jetflow,jetflow-chain,eagle3,eagle3-lookup",
             "--budgets", "4,8,auto",
             "--max-new-tokens", "6", "--width", "3", "--out", str(tmp_path / "b")]
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))  # where 'auto' keeps the cost curve
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["runs"] == 3 * 14 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
+    assert out["runs"] == 3 * 17 and sorted(out["plots"]) == ["speedup_vs_budget.png", "tau_vs_budget.png"]
     run = json.loads((tmp_path / "b" / "runs" / "mtbench__jetflow__b8.json").read_text())
     assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
     assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
@@ -118,6 +119,8 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"} | {str(n) for n in CURVE_SIZES}
     assert summary["cost_model"]["draft_ms"].keys() == {"causal", "bidirectional", "eagle3"}
     assert "| gsm8k | eagle3 | 8 |" in (tmp_path / "b" / "summary.md").read_text()
+    mixed = json.loads((tmp_path / "b" / "runs" / "gsm8k__eagle3-lookup__b8.json").read_text())["summary"]
+    assert mixed["mismatches"] == [] and mixed["prompts"] == 1  # the EAGLE tree with lookup merged in
     md = (tmp_path / "b" / "summary.md").read_text()
     assert "| gsm8k | ddtree | 8 |" in md and "## Cost model" in md and "**NO" not in md
 

@@ -14,6 +14,7 @@ from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.lookup_drafter import lookup_match
 from jetflow.decoding.mixed_drafter import LookupCalibration, MixedDrafter, MixedProposal
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
 from jetflow.tree.build import build_tree
 from tiny import tiny_model
@@ -130,6 +131,18 @@ def test_greedy_with_lookup_equals_autoregressive(target, budget, tmp_path):
     for prompt in ([11, 12, 13, 14] * 5, [7, 8, 9]):
         ar = jetflow.generate(target, prompt, max_new_tokens=48)
         assert jf.generate(prompt, max_new_tokens=48, budget=budget).token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("budget", [4, 16])
+def test_eagle_tree_with_lookup_equals_autoregressive(target, budget, tmp_path):
+    """An EAGLE head's path-dependent tree takes the lookup chain too (bench method eagle3-lookup)."""
+    torch.manual_seed(0)
+    head = EagleHead(DraftHeadConfig.for_target(target, num_hidden_layers=1, block_size=4, kind="eagle3"))
+    jf = jetflow.JetFlow(target, head, lookup=True, cost_cache=tmp_path)
+    assert isinstance(jf.drafter, MixedDrafter)
+    for prompt in ([11, 12, 13, 14] * 5, [7, 8, 9]):
+        ar = jetflow.generate(target, prompt, max_new_tokens=32)
+        assert jf.generate(prompt, max_new_tokens=32, budget=budget).token_ids == ar.token_ids
 
 
 def test_auto_takes_lookup_only_rounds_when_the_head_is_dear_and_stays_lossless(target, monkeypatch):

@@ -19,6 +19,7 @@
                    over its first pass and its path-conditioned second pass (decoding/refine.py);
                    ``jetflow`` runs the same head's first pass alone
     eagle3         EAGLE-3-style autoregressive head, dynamic tree (one head forward per depth)
+    eagle3-lookup  the EAGLE-3-style head's tree with prompt lookup merged in (as jetflow-lookup)
     llama-dflash   llama.cpp's own speculative driver (``llama-speculative-simple``, ``make
                    llama-tools``) with a DFlash-compatible causal head exported by ``export-gguf``:
                    chain drafts of 3 tokens, the driver's default (llama.cpp only). The driver prints
@@ -68,7 +69,8 @@ METHODS = {m.name: m for m in [
     MethodSpec("dflash", "bidirectional", False), MethodSpec("ddtree", "bidirectional", True),
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
     MethodSpec("jetflow-lookup", "causal", True), MethodSpec("jetflow-refine", "causal", True),
-    MethodSpec("eagle3", "eagle3", True), MethodSpec("llama-ar", None, False, backend="llamacpp"),
+    MethodSpec("eagle3", "eagle3", True), MethodSpec("eagle3-lookup", "eagle3", True),
+    MethodSpec("llama-ar", None, False, backend="llamacpp"),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
     MethodSpec("llama-dflash", None, False, backend="llamacpp", exact_tokens=False),
@@ -108,7 +110,7 @@ class MethodRunner:
                                    f"is {have}")
             self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype),
                                                   lookup=False, refine=False)
-        self._mixed = None  # the causal head with prompt lookup merged in (jetflow-lookup)
+        self._mixed = {}  # head kind -> its decoder with prompt lookup merged in (jetflow-lookup, eagle3-lookup)
         self._lookup = None
         self._refined = None  # the causal head with its path-conditioned pass (jetflow-refine)
         self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
@@ -153,11 +155,11 @@ class MethodRunner:
             return self._lookup.generate(prompt, budget=self._lookup.drafter.max_draft, width=1, **request)
         if spec.name == "torch-jetflow":
             decoder = self._torch_twin()[1]
-        elif spec.name == "jetflow-lookup":
-            if self._mixed is None:
-                self._mixed = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=True,
-                                              refine=False)
-            decoder = self._mixed
+        elif spec.name in ("jetflow-lookup", "eagle3-lookup"):
+            if spec.head not in self._mixed:
+                self._mixed[spec.head] = jetflow.JetFlow(self.target, self.decoders[spec.head].drafter.head,
+                                                         lookup=True, refine=False)
+            decoder = self._mixed[spec.head]
         elif spec.name == "jetflow-refine":
             if self._refined is None:
                 self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
