@@ -260,8 +260,8 @@ def cmd_eval_offline(args) -> int:
     target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
-                               refine=False if args.no_refine else None, lookup=args.lookup,
-                               calibrated=not args.no_calibration)
+                               refine=False if args.no_refine else None, lookup=args.lookup or args.lookup_session,
+                               calibrated=not args.no_calibration, lookup_session=args.lookup_session)
     if args.out:
         write_json_atomic(args.out, report)
     print(json.dumps(report["drafters"]))
@@ -573,7 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay only the first head pass of heads trained for the path-conditioned second pass")
     o.add_argument("--lookup", action="store_true",
                    help="trees merged with the prompt-lookup chain, as the default decoder builds them "
-                        "(rounds where decoding puts them)")
+                        "(rounds where decoding puts them); the lookup calibration starts fresh per sequence")
+    o.add_argument("--lookup-session", action="store_true",
+                   help="as --lookup, the lookup calibration's counts carried from one sequence to the next, "
+                        "as when one JetFlow object (a Python session, `jetflow bench`) answers them in order")
     o.add_argument("--no-calibration", action="store_true",
                    help="rank tree nodes by draft log-prob even for heads with a tree calibration (`jetflow calibrate`)")
     o.add_argument("--out", type=Path, default=None, help="write the JSON report here")

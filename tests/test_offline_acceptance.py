@@ -65,8 +65,9 @@ def test_path_nodes_and_budget_prefixes():
     assert path_nodes(tree, [6, 7]) == [2] and path_nodes(tree, [9]) == []
 
 
-def decode_rounds(target, head, seq, budget, width, lookup=False):
-    jf = jetflow.JetFlow(target, head, budget=budget, width=width, lookup=lookup)
+def decode_rounds(target, head, seq, budget, width, lookup=False, jf=None):
+    """Accepted lengths of decoding ``seq``'s prompt (with ``jf``, a decoder kept across requests)."""
+    jf = jf or jetflow.JetFlow(target, head, budget=budget, width=width, lookup=lookup)
     spec = jf.generate(seq.token_ids[:seq.prompt_len], max_new_tokens=len(seq.token_ids) - seq.prompt_len)
     assert spec.token_ids == seq.token_ids[seq.prompt_len:]  # the data is the target's greedy answer
     return spec.stats["accept_lengths"]
@@ -108,6 +109,25 @@ def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, 
         offline_acceptance(head, target, sequences, teacher, [0], [budget], width, anchors_per_seq=4, lookup=True)
 
 
+@pytest.mark.parametrize("budget", [4, 16])
+def test_lookup_session_replay_equals_one_decoder_answering_in_order(target, sequences, head, budget):
+    """--lookup-session: the lookup counts carry over from one sequence to the next, as in one
+    JetFlow object answering them in order."""
+    teacher = OnlineTeacher(target, None)
+    result = offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [budget], 7, lookup=True,
+                                lookup_session=True)
+    jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=True)
+    decoded = []
+    for seq in sequences:
+        lengths = decode_rounds(target, head, seq, budget, 7, jf=jf)
+        decoded += [n - 1 for n in lengths[:-1]] + [None]
+    replayed = result.depths[budget]
+    assert len(replayed) == len(decoded) and len(decoded) > 10
+    assert all(want is None or got == want for got, want in zip(replayed, decoded))
+    with pytest.raises(JetFlowError, match="needs lookup"):
+        offline_acceptance(head, target, sequences, teacher, [0], [budget], 7, lookup_session=True)
+
+
 @pytest.mark.parametrize("lookup", [False, True])
 def test_calibrated_replay_equals_the_decoding_loop(target, sequences, head, lookup):
     """A head with a tree calibration: decoding and the replay both build its calibrated trees (and
@@ -143,6 +163,22 @@ def test_lookup_replay_copies_what_the_answer_repeats(target):
     merged = offline_acceptance(head, target, seqs, teacher, [0], [8], 7, lookup=True)
     alone = offline_acceptance(head, target, seqs, teacher, [0], [8], 7)
     assert alone.tau(8) == 1.0 and merged.tau(8) > 3.0
+
+
+def test_lookup_session_carries_what_earlier_requests_taught(target):
+    """Two requests that copy their prompts: in one session the second starts with the counts the
+    first left, so it copies sooner than as a fresh request."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6)).eval()
+    text = list(range(40, 100))
+    seqs = [Sequence("copy", text + text, len(text))] * 2
+    teacher = OnlineTeacher(target, None)
+    fresh = offline_acceptance(head, target, seqs, teacher, [0, 1], [16], 7, lookup=True).depths[16]
+    session = offline_acceptance(head, target, seqs, teacher, [0, 1], [16], 7, lookup=True,
+                                 lookup_session=True).depths[16]
+    half = len(fresh) // 2  # fresh: both requests take the same rounds
+    assert fresh[:half] == fresh[half:] and session[:half] == fresh[:half]
+    assert len(session) < len(fresh)  # the second request copies its answer in fewer rounds
 
 
 @pytest.mark.parametrize("budget, width", [(4, 2), (64, 7)])

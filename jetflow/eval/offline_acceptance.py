@@ -203,7 +203,7 @@ class ReplayRounds:
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
                        anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None,
-                       lookup: bool = False, calibrated: bool = True) -> OfflineAcceptance:
+                       lookup: bool = False, calibrated: bool = True, lookup_session: bool = False) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
@@ -214,7 +214,9 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
     replay the path-conditioned second pass (None: when decoding would run it, ``config.path_refine``);
     only for heads that shift tokens. The chain stays the first pass's. ``lookup``: the trees hold the
-    prompt-lookup chain too (decoding's default; only where decoding puts the rounds). ``calibrated``:
+    prompt-lookup chain too (decoding's default; only where decoding puts the rounds), its calibration
+    fresh per sequence as for a new request; with ``lookup_session`` its counts carry over from one
+    sequence to the next, as when one ``JetFlow`` object answers them in order. ``calibrated``:
     build the trees with the head's tree calibration when it has one (as decoding does)."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
@@ -225,6 +227,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
                            "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
     if not budgets or min(budgets) < 1:
         raise JetFlowError(f"budgets must be >= 1, got {budgets}")
+    if lookup_session and not lookup:
+        raise JetFlowError("lookup_session carries the lookup calibration over; it needs lookup")
     if lookup and (anchors is not None or anchors_per_seq):
         raise JetFlowError("the lookup replay follows decoding's rounds (its calibration learns from them); "
                            "it cannot use random or given anchors")
@@ -237,6 +241,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     walk = anchors is None and anchors_per_seq == 0
     result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform", lookup=lookup)
     g = torch.Generator().manual_seed(seed)
+    session = {arm: LookupCalibration() for arm in budgets} if lookup_session else None
     for index in indices:
         seq = sequences[index]
         last = len(seq.token_ids) - 2  # the last anchor with a token after it
@@ -247,7 +252,9 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
                          calibration=calibration)
         if walk:
             for arm in [*budgets, CHAIN]:
-                lookup_rates = LookupCalibration() if lookup and arm != CHAIN else None  # one per request
+                lookup_rates = None
+                if lookup and arm != CHAIN:  # one per request, or one for the whole session
+                    lookup_rates = session[arm] if session is not None else LookupCalibration()
                 a = seq.prompt_len
                 while a <= last:
                     depth = rounds.accepted(a, arm) if lookup_rates is None else \
@@ -297,7 +304,7 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
                       seed: int = 0, log=print, refine: bool | None = None, lookup: bool = False,
-                      calibrated: bool = True) -> dict:
+                      calibrated: bool = True, lookup_session: bool = False) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online."""
@@ -313,8 +320,10 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
         t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
-                                    width, anchors_per_seq, seed, refine=refine, lookup=lookup, calibrated=calibrated)
+                                    width, anchors_per_seq, seed, refine=refine, lookup=lookup, calibrated=calibrated,
+                                    lookup_session=lookup_session)
         results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
+                              "lookup_session": lookup_session,
                               "refine": head.config.path_refine if refine is None else refine,
                               "calibrated": calibrated and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
