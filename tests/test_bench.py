@@ -82,6 +82,9 @@ def test_summary_formulas_against_hand_computed_values():
     assert s["per_depth_acceptance"] == pytest.approx([1.0, 1.0, 3 / 8, 1 / 8])
     assert s["mismatches"] == ["b#0"]
     assert summarize(ar, ar, greedy=True)["tau"] == pytest.approx(1.0)  # 28 tokens after prefill / 28 forwards
+    # A last round that accepted past the length limit: tau counts its 5, the output kept 3 of them.
+    cut = summarize([_rec("c", 0, 10, 1.0, 3, [3, 3, 5])], None, greedy=False)
+    assert cut["tau"] == pytest.approx(11 / 3) and cut["tokens_per_round"] == pytest.approx(9 / 3)
     assert "mismatches" not in summarize(spec, ar, greedy=False)
 
 

@@ -256,6 +256,9 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(offline + ["--lookup"]) == 0  # head and lookup chain in one tree, as decoding builds them
     assert all(row["lookup"] for row in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
     assert main(offline + ["--lookup", "--anchors-per-seq", "4"]) == 2 and "lookup" in capsys.readouterr().err
+    assert main(offline + ["--lookup-session"]) == 0  # the lookup counts carried across the sequences
+    rows = json.loads((tmp_path / "offline.json").read_text())["drafters"].values()
+    assert all(row["lookup"] and row["lookup_session"] for row in rows)
     # Per-depth agreement at every answer anchor, the same held-out sequences, online and cached.
     agree = ["eval-agreement", "--target", str(tiny_dir), "--drafter", str(tmp_path / "run" / "drafter"),
              "--data", str(tmp_path / "data"), "--sequences", "4:6", "--max-depth", "3",

@@ -119,9 +119,10 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
     lengths = [a for r in records for a in (r["accept_lengths"] or [])]
     out = {"prompts": len({r["id"] for r in records}), "turns": len(records), "new_tokens": tokens,
            "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0, "rounds": rounds,
-           # tokens per target forward after the prefill (its token is not from a round)
-           "tau": (tokens - len(records)) / rounds if rounds else 1.0}
-    if lengths:
+           # output tokens per target forward after the prefill (its token is not from a round)
+           "tokens_per_round": (tokens - len(records)) / rounds if rounds else 1.0}
+    out["tau"] = out["tokens_per_round"]
+    if lengths:  # the mean accepted length: a last round's tokens past a stop or the length limit count
         out["tau"] = sum(lengths) / len(lengths)
         out["accept_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         out["per_depth_acceptance"] = [sum(a - 1 >= d for a in lengths) / len(lengths)

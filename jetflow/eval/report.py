@@ -40,7 +40,9 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
              f"Target {settings['target']}; {settings['max_new_tokens']} new tokens, temperature "
              f"{settings['temperature']}, width {settings['width']}, {settings['repeats']} timed run(s) per prompt "
              f"(median).", "",
-             "tau = tokens per target forward after the prefill, bonus token included. Speed-up = total tokens / "
+             "tau = mean accepted length per round, bonus token included (tokens a last round accepted past a "
+             "stop or the length limit count; `tokens_per_round` in summary.json leaves them out; for `hf`/`pld` "
+             "tokens per target forward). Speed-up = total tokens / "
              "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline); per-prompt = mean of per-prompt speed-ups.", "",
              "## Best budget per method", "",
              "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to reference |",
