@@ -191,7 +191,8 @@ def cmd_train(args) -> int:
                          head=args.head, ttt_steps=args.ttt_steps, dense_depth1=_dense_depth1(args),
                          dense_depth1_anchors=args.dense_depth1_anchors,
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
-                         shift_tokens=args.shift_tokens, amp=args.amp, max_seconds=args.max_seconds)
+                         shift_tokens=args.shift_tokens, path_projection=args.path_projection, amp=args.amp,
+                         max_seconds=args.max_seconds)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -527,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shift-tokens", action="store_true",
                    help="causal block heads: each slot reads the token of the slot before it instead of its own "
                         "(so the slot after a revealed path token gets it as input; revealed slots stay supervised)")
+    t.add_argument("--path-projection", action="store_true",
+                   help="with --shift-tokens: the token a slot reads passes a projection of its own (RMSNorm + "
+                        "linear), as an EAGLE head's token input does")
     t.add_argument("--amp", choices=["bfloat16"], default="",
                    help="bf16 autocast of the head's forward/backward (weights, optimizer and losses stay fp32); "
                         "for GPUs: on a 2-core AMX CPU it did not pay (docs/results.md, \"The fourth drafter\")")

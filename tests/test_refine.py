@@ -35,10 +35,12 @@ def test_layout_is_the_path_with_a_mask_slot_under_each_token():
     assert parents == [-1, 0, 1, 2, 1, 2, 3] and depths == [0, 1, 2, 3, 2, 3, 4]
 
 
-@pytest.mark.parametrize("draft_vocab,gain,shift", [(None, 1.0, False), (40, 1.0, False), (None, 8.0, False),
-                                                    (None, 1.0, True), (40, 8.0, True)])
-def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab, gain, shift):
-    head = make_head(target, draft_vocab_size=draft_vocab, slot_token_gain=gain, shift_tokens=shift)
+@pytest.mark.parametrize("draft_vocab,gain,shift,proj", [(None, 1.0, False, False), (40, 1.0, False, False),
+                                                         (None, 8.0, False, False), (None, 1.0, True, False),
+                                                         (40, 8.0, True, False), (40, 1.0, True, True)])
+def test_second_pass_rows_equal_blocks_with_the_path_revealed(target, draft_vocab, gain, shift, proj):
+    head = make_head(target, draft_vocab_size=draft_vocab, slot_token_gain=gain, shift_tokens=shift,
+                     path_projection=proj)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)
     drafter = BlockDrafter(head, target, refine=True)
@@ -89,9 +91,10 @@ def test_per_depth_rows_are_the_special_case():
     assert (a.tokens, a.parents, a.scores) == (b.tokens, b.parents, b.scores)
 
 
-@pytest.mark.parametrize("int8,shift", [(False, False), (True, False), (False, True), (True, True)])
-def test_greedy_decoding_with_the_second_pass_equals_autoregressive(target, int8, shift):
-    head = make_head(target, shift_tokens=shift)
+@pytest.mark.parametrize("int8,shift,proj", [(False, False, False), (True, False, False), (False, True, False),
+                                             (True, True, False), (False, True, True), (True, True, True)])
+def test_greedy_decoding_with_the_second_pass_equals_autoregressive(target, int8, shift, proj):
+    head = make_head(target, shift_tokens=shift, path_projection=proj)
     head.config.path_refine = True
     jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False)
     assert jf.drafter.refine
@@ -154,3 +157,29 @@ def test_shifted_slots_read_the_token_before_them(target):
     tree_mask = torch.cat([torch.ones(5, 5, dtype=torch.bool), ancestor_matrix(parents)], 1)
     with pytest.raises(ValueError, match="blocks, not trees"):
         shifted(torch.randn(5, 64), 5 + depth_t, ctx, tree_mask, last, depths=depth_t)
+
+
+def test_path_projection_projects_the_token_each_slot_reads(target):
+    """A path-projection head equals the same weights without it fed, after the anchor, the projection
+    of the slot before's embedding (the anchor keeps its own): the brute-force layout of each block."""
+    proj = make_head(target, shift_tokens=True, path_projection=True)
+    plain = DraftHead(DraftHeadConfig.for_target(target, block_size=6, feed_last_feature=True,
+                                                 depth_embedding=True)).eval()
+    plain.load_state_dict({k: v for k, v in proj.state_dict().items() if not k.startswith("path_proj")})
+    with torch.no_grad():
+        proj.path_proj[0].weight.uniform_(0.5, 1.5)  # a non-trivial norm scale as well
+    torch.manual_seed(4)
+    fused = plain.fuse(torch.randn(5, 2 * 64))
+    ctx, last = plain.context_kv(fused, torch.arange(5)), fused[-1]
+    blocks = torch.randn(12, 64)
+    p = proj.path_proj
+    by_hand = torch.cat([blocks[0:1], p(blocks[0:5]), blocks[6:7], p(blocks[6:11])])
+    positions = torch.cat([torch.arange(5, 11), torch.arange(7, 13)])
+    mask = torch.cat([torch.ones(12, 5, dtype=torch.bool), torch.block_diag(*[torch.ones(6, 6).tril()] * 2).bool()], 1)
+    torch.testing.assert_close(proj(blocks, positions, ctx, mask, last), plain(by_hand, positions, ctx, mask, last),
+                               atol=1e-5, rtol=0)
+
+
+def test_path_projection_needs_shifted_tokens(target):
+    with pytest.raises(ValueError, match="shift_tokens"):
+        make_head(target, path_projection=True)

@@ -199,23 +199,26 @@ def test_revealed_blocks_train_a_head_that_runs_its_second_pass(target, data, tm
     assert lossless_tau(jf, seqs, trainer.train_set) > 3.0
 
 
-def test_a_head_that_shifts_tokens_learns_from_revealed_paths(target, data, tmp_path):
-    """--shift-tokens --reveal (revealed slots supervised too): the run fits, and the saved head
-    shifts, runs its second pass, decodes losslessly and accepts much on the overfitted set."""
+@pytest.mark.parametrize("projection", [False, True])
+def test_a_head_that_shifts_tokens_learns_from_revealed_paths(target, data, tmp_path, projection):
+    """--shift-tokens --reveal (revealed slots supervised too), with or without --path-projection: the
+    run fits, and the saved head shifts, runs its second pass, decodes losslessly and accepts much on
+    the overfitted set."""
     seqs = load_sequences(data, target)
     trainer = Trainer(target, seqs, tmp_path / "run", config(lr=1e-2, epochs=150, reveal=0.5, shift_tokens=True,
+                                                             path_projection=projection,
                                                              feed_last_feature=True, depth_embedding=True))
     first = trainer.evaluate()["eval_loss"]
     trainer.fit(log=lambda r: None)
     assert trainer.evaluate()["eval_loss"] < first / 5
     head = jetflow.DraftHead.from_pretrained(tmp_path / "run" / "drafter", target=target)
-    assert head.config.shift_tokens and head.config.path_refine
+    assert head.config.shift_tokens and head.config.path_refine and head.config.path_projection == projection
     jf = jetflow.JetFlow(target, head, budget=16, width=3, lookup=False)
     assert lossless_tau(jf, seqs, trainer.train_set) > 3.0
 
 
 @pytest.mark.parametrize("kw", [dict(shift_tokens=True, attention="bidirectional"),
-                                dict(shift_tokens=True, head="eagle3")])
+                                dict(shift_tokens=True, head="eagle3"), dict(path_projection=True)])
 def test_shift_tokens_is_refused_where_it_means_nothing(kw):
     with pytest.raises(JetFlowError, match="shift-tokens"):
         config(**kw)

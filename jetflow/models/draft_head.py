@@ -76,6 +76,12 @@ class DraftHeadConfig:
     # ignores it when it can only reach it through attention (docs/results.md, path-conditioned pass).
     # A slot never reads its own token, so revealed slots can be supervised as well.
     shift_tokens: bool = False
+    # With shift_tokens: the token a slot after the anchor reads (its parent's) passes a projection of
+    # its own (RMSNorm + linear), as the EAGLE head's token input does, instead of being summed at the
+    # embedding's scale (RMS ~0.13) with the fused target feature (~1). Scaling the raw embedding up
+    # (slot_token_gain) taught a head the path only at the cost of its first pass (docs/results.md,
+    # "Path-conditioned second pass").
+    path_projection: bool = False
     # Maps draft log-probabilities to acceptance log-probabilities when building trees
     # (tree/calibration.py; written by ``jetflow calibrate``). None: trees rank nodes by draft log-prob.
     tree_calibration: dict | None = None
@@ -95,6 +101,8 @@ class DraftHeadConfig:
             raise ValueError("target_layer_ids must not be empty")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.path_projection and not self.shift_tokens:
+            raise ValueError("path_projection needs shift_tokens (it projects the token a slot reads from its parent)")
         if self.tree_calibration is not None:
             TreeCalibration.from_json(self.tree_calibration)  # refuse a malformed one at load time
 
@@ -111,7 +119,7 @@ class DraftHeadConfig:
                    mask_token_id: int | None = None, draft_vocab_size: int | None = None,
                    feed_last_feature: bool = False, depth_embedding: bool = False,
                    kind: str = "block", embed_norm: bool = False, slot_token_gain: float = 1.0,
-                   shift_tokens: bool = False) -> "DraftHeadConfig":
+                   shift_tokens: bool = False, path_projection: bool = False) -> "DraftHeadConfig":
         """A head shaped like the target's own layers (same width, heads and RoPE)."""
         shape = target.shape()
         return cls(
@@ -136,6 +144,7 @@ class DraftHeadConfig:
             embed_norm=embed_norm,
             slot_token_gain=slot_token_gain,
             shift_tokens=shift_tokens,
+            path_projection=path_projection,
             target=target.identity(),
             kind=kind,
         )
@@ -197,6 +206,9 @@ class DraftHead(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         self.depth_embed = nn.Embedding(c.block_size, c.hidden_size) if c.depth_embedding else None
         self.slot_embed_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.embed_norm else None
+        self.path_proj = (nn.Sequential(RMSNorm(c.hidden_size, c.rms_norm_eps),
+                                        nn.Linear(c.hidden_size, c.hidden_size, bias=False))
+                          if c.path_projection else None)
         # Per-dimension scale of the tapped target features (their RMS over training data). Targets
         # carry massive activations: in SmolLM2 a few dimensions hold a large, nearly constant value
         # (|mean| ~450 in layer 27 against a typical spread of ~15), so the raw concatenation is
@@ -291,6 +303,8 @@ class DraftHead(nn.Module):
         if self.slot_embed_norm is not None:
             x = self.slot_embed_norm(x)
         depth = torch.arange(x.shape[-2], device=x.device) % b if depths is None else depths
+        if self.path_proj is not None:  # the anchor keeps its own embedding: feed_last_feature adds it everywhere
+            x = torch.where((depth > 0)[:, None], self.path_proj(x), x)
         if self.config.slot_token_gain != 1.0:  # every slot but the anchor
             x = x * torch.where(depth > 0, self.config.slot_token_gain, 1.0).to(x.dtype)[:, None]
         if self.config.feed_last_feature:

@@ -33,7 +33,8 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
               "depth-embedding": (c.depth_embedding, config.depth_embedding), "head": (c.kind, config.head),
               "embed-norm": (c.embed_norm, config.embed_norm),
               "slot-token-gain": (c.slot_token_gain, config.slot_token_gain),
-              "shift-tokens": (c.shift_tokens, config.shift_tokens)}
+              "shift-tokens": (c.shift_tokens, config.shift_tokens),
+              "path-projection": (c.path_projection, config.path_projection)}
     bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
     if bad:
         raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))

@@ -79,6 +79,7 @@ class TrainConfig:
     reveal: float = 0.0
     slot_token_gain: float = 1.0  # block heads: DraftHeadConfig.slot_token_gain
     shift_tokens: bool = False  # causal block heads: DraftHeadConfig.shift_tokens
+    path_projection: bool = False  # with shift_tokens: DraftHeadConfig.path_projection
     # Mixed precision of the head's forward and backward ("bfloat16"; "" = off). The weights, the
     # optimizer and the losses stay fp32; on CPUs with AMX a bf16 matmul is ~8x an fp32 one.
     amp: str = ""
@@ -119,6 +120,9 @@ class TrainConfig:
         if self.shift_tokens and (self.head != "block" or self.attention != "causal"):
             raise JetFlowError("--shift-tokens is for causal block heads (a bidirectional slot would see its own token "
                                "through the next slot)")
+        if self.path_projection and not self.shift_tokens:
+            raise JetFlowError("--path-projection projects the token a slot reads from the slot before it: it needs "
+                               "--shift-tokens")
         if self.amp not in AMP_DTYPES:
             raise JetFlowError(f"amp must be one of {sorted(AMP_DTYPES)} ('' = off), got {self.amp!r}")
         if self.max_seconds < 0:
@@ -204,7 +208,8 @@ class Trainer:
                 target, num_hidden_layers=config.layers, block_size=config.block_size, attention=config.attention,
                 draft_vocab_size=vocab, feed_last_feature=config.feed_last_feature,
                 depth_embedding=config.depth_embedding, kind=config.head, embed_norm=config.embed_norm,
-                slot_token_gain=config.slot_token_gain, shift_tokens=config.shift_tokens))
+                slot_token_gain=config.slot_token_gain, shift_tokens=config.shift_tokens,
+                path_projection=config.path_projection))
         if head.config.reduced_vocab:
             # The most frequent answer tokens of this run's training split, stop tokens always in. A
             # warm-started head takes them too: its output rows are the target's LM-head rows, so no
