@@ -261,7 +261,8 @@ def cmd_eval_offline(args) -> int:
     target = _load_jetflow_target(args, training=True)
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
-                               refine=False if args.no_refine else None, lookup=args.lookup or args.lookup_session,
+                               refine=0 if args.no_refine else args.refine_passes,
+                               lookup=args.lookup or args.lookup_session,
                                calibrated=not args.no_calibration, lookup_session=args.lookup_session)
     if args.out:
         write_json_atomic(args.out, report)
@@ -344,7 +345,8 @@ def cmd_bench(args) -> int:
     summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
-                                    cost_model=not args.no_cost_model, interleave=args.order == "interleaved")
+                                    cost_model=not args.no_cost_model, interleave=args.order == "interleaved",
+                                    refine_passes=args.refine_passes)
     print(json.dumps(summary))
     return 1 if mismatches else 0
 
@@ -575,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--no-refine", action="store_true",
                    help="replay only the first head pass of heads trained for the path-conditioned second pass")
+    o.add_argument("--refine-passes", type=_non_negative_int, default=None, metavar="N",
+                   help="replay N path-conditioned passes, each on the path the one before chose (default: 1 for "
+                        "heads trained for it)")
     o.add_argument("--lookup", action="store_true",
                    help="trees merged with the prompt-lookup chain, as the default decoder builds them "
                         "(rounds where decoding puts them); the lookup calibration starts fresh per sequence")
@@ -642,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
+    b.add_argument("--refine-passes", type=_positive_int, default=1, metavar="N",
+                   help="jetflow-refine: path-conditioned passes per round, each on the path the one before chose")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)

@@ -92,6 +92,22 @@ def test_replayed_rounds_equal_the_decoding_loop(target, sequences, head, budget
             head.config.block_size - 1]
 
 
+@pytest.mark.parametrize("head", ["second-pass"], indirect=True)
+@pytest.mark.parametrize("budget", [4, 16])
+def test_replayed_passes_equal_decoding_with_as_many(target, sequences, head, budget):
+    """Three path-conditioned passes per round (each on the path the one before chose), replayed and
+    decoded."""
+    result = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1, 2], [budget], 7,
+                                refine=3)
+    decoded = []
+    for seq in sequences:
+        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=False, refine=3)
+        decoded += [n - 1 for n in decode_rounds(target, head, seq, budget, 7, jf=jf)[:-1]] + [None]
+    replayed = result.depths[budget]
+    assert len(replayed) == len(decoded) and len(decoded) > 10
+    assert all(want is None or got == want for got, want in zip(replayed, decoded))
+
+
 @pytest.mark.parametrize("budget, width", [(1, 7), (4, 2), (16, 7)])
 def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, head, budget, width):
     """Head and lookup chain in one tree (the default decoder): the replay takes the same rounds,

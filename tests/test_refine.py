@@ -183,3 +183,46 @@ def test_path_projection_projects_the_token_each_slot_reads(target):
 def test_path_projection_needs_shifted_tokens(target):
     with pytest.raises(ValueError, match="shift_tokens"):
         make_head(target, path_projection=True)
+
+
+def test_more_passes_iterate_the_path_to_its_fixed_point(target):
+    """refine=3: each pass runs on the path the one before chose greedily (t1 from the first pass, t(j+1)
+    the top token after t1..tj), stopping early at a fixed point; the tree takes the last pass's rows.
+    Rows by brute force: one plain causal block [anchor, t1..tj, MASK] per prefix."""
+    head = make_head(target, shift_tokens=True, path_projection=True)
+    with torch.no_grad():  # path tokens that move the rows (at init every row picks the anchor)
+        head.path_proj[1].weight.normal_(std=0.3)
+    drafter = BlockDrafter(head, target, refine=3)
+    torch.manual_seed(1)
+    drafter.extend(torch.randn(7, 2 * 64))
+    anchor, position = 11, 7
+    first = drafter.head_logprobs(anchor, position)
+    d = first.shape[0]
+    proposal = drafter.propose(anchor, position, room=5, width=3)
+    ctx_len = drafter.context_len
+
+    def rows_after(path):
+        rows = []
+        for j in range(1, d):
+            block = torch.tensor([anchor] + path[:j] + [head.config.mask_token_id])
+            hidden = head(target.embed(block), torch.arange(position, position + j + 2), drafter.context_kv,
+                          head.block_mask(ctx_len)[: j + 2, : ctx_len + j + 2], drafter.last_feature)
+            rows.append(drafter._output_logprobs(hidden[-1:])[0])
+        return torch.stack(rows)
+
+    path, seen = first.argmax(-1).tolist(), []
+    for n in range(3):
+        seen.append(path)
+        rows = rows_after(path)
+        new = [path[0]] + rows.argmax(-1).tolist()
+        if n == 2 or new == path:
+            break
+        path = new
+    assert len(seen) > 1  # this head's passes do move the path
+    assert proposal.path_tokens == path
+    torch.testing.assert_close(proposal.rows[:d], first)
+    torch.testing.assert_close(proposal.rows[d:], rows, atol=1e-5, rtol=0)
+    jf = jetflow.JetFlow(target, head, budget=12, width=3, lookup=False, refine=3)
+    for prompt in ([3, 14, 15, 92, 65], [7] * 9):
+        assert jf.generate(prompt, max_new_tokens=30).token_ids == jetflow.generate(target, prompt,
+                                                                                    max_new_tokens=30).token_ids

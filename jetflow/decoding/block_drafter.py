@@ -32,12 +32,15 @@ class BlockProposal:
 
 
 class BlockDrafter:
-    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | None = None):
-        """``refine``: run the path-conditioned second pass each round (decoding/refine.py); None: when
-        the head was trained for it (``config.path_refine``). Trees use the head's tree calibration
+    def __init__(self, head: DraftHead, target: TargetBackend, int8: bool = False, refine: bool | int | None = None):
+        """``refine``: run the path-conditioned second pass each round (decoding/refine.py); an int N:
+        N such passes, each on the path the one before chose; None: one when the head was trained for
+        it (``config.path_refine``). Trees use the head's tree calibration
         when its checkpoint has one (not with the second pass, whose rows it was not fitted on)."""
         check_compatible(head.config, target)
-        self.refine = head.config.path_refine if refine is None else refine
+        self.refine = int(head.config.path_refine if refine is None else refine)
+        if self.refine < 0:
+            raise ValueError(f"refine passes must be >= 0, got {refine}")
         if self.refine and head.config.attention != "causal":
             raise ValueError("the path-conditioned pass needs a causal block head")
         target.set_tapped_layers(head.config.target_layer_ids)
@@ -104,7 +107,7 @@ class BlockDrafter:
         depth = room if max_nodes is None else min(room, max_nodes)
         first = self.head_logprobs(anchor, position, depth)[:room]
         if self.refine and first.shape[0] >= 2:
-            return refined_proposal(self, anchor, position, first, width)
+            return refined_proposal(self, anchor, position, first, width, self.refine)
         return self.proposal(first, anchor, width)
 
     def proposal(self, depth_logprobs: torch.Tensor, anchor: int, width: int) -> BlockProposal:

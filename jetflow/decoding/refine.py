@@ -13,6 +13,10 @@ Layout of the pass, 2D-1 slots for D draft depths: [anchor, t1..t(D-1), q1..q(D-
 shifts tokens (``config.shift_tokens``: each slot reads its parent's token) needs no q slots: in the
 plain causal block [anchor, t1..t(D-1), MASK] the slot after t_j reads t_j and sees t1..tj, so D+1
 slots give the same rows.
+
+More passes (``refine=N``) iterate the path to a fixed point, Jacobi-style: pass n+1 runs on the path
+that pass n's rows choose greedily (t1 from the first pass, t(j+1) the top token after t1..tj), so the
+main chain of the tree is conditioned on its own tokens one depth further per pass.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def path_rows(depth: int, path_tokens: list[int]):
     return next_row
 
 
+def repath(path: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The next pass's path [..., D] from this pass's ``path`` and its rows ``after`` [..., D-1, V]
+    (row j-1: depth j+1 after t1..tj): t1 stays, t(j+1) is the top token of row j-1."""
+    return torch.cat([path[..., :1], after.argmax(-1)], dim=-1)
+
+
 class RefinedProposal:
     """Both passes' rows; a tree of any budget is built from them."""
 
@@ -81,13 +91,23 @@ def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) ->
 
 
 @torch.inference_mode()
-def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int) -> RefinedProposal:
-    """The second pass after ``first`` [D, Vd], the first pass's rows from ``anchor`` at ``position``
-    (the drafter's context must end right before it)."""
+def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int,
+                     passes: int = 1) -> RefinedProposal:
+    """``passes`` path-conditioned passes after ``first`` [D, Vd], the first pass's rows from ``anchor``
+    at ``position`` (the drafter's context must end right before it); the tree takes the last one's
+    rows. Further passes stop early once the path is a fixed point."""
     d = first.shape[0]
+
+    def target_ids(draft: torch.Tensor) -> list[int]:
+        return (draft if drafter.draft_ids is None else drafter.draft_ids[draft]).tolist()
+
     path_ids = first.argmax(-1)
-    path = (path_ids if drafter.draft_ids is None else drafter.draft_ids[path_ids]).tolist()
     if d < 2:
-        return RefinedProposal(first, path, d, anchor, width, drafter.draft_ids)
-    rows = torch.cat([first, drafter._output_logprobs(path_hidden(drafter, anchor, position, path, d))])
-    return RefinedProposal(rows, path, d, anchor, width, drafter.draft_ids)
+        return RefinedProposal(first, target_ids(path_ids), d, anchor, width, drafter.draft_ids)
+    for n in range(passes):
+        after = drafter._output_logprobs(path_hidden(drafter, anchor, position, target_ids(path_ids), d))
+        nxt = repath(path_ids, after)
+        if n + 1 == passes or torch.equal(nxt, path_ids):
+            break
+        path_ids = nxt
+    return RefinedProposal(torch.cat([first, after]), target_ids(path_ids), d, anchor, width, drafter.draft_ids)

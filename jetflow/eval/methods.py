@@ -98,8 +98,9 @@ class MethodRunner:
     is missing, has the wrong attention, or needs another backend is refused up front."""
 
     def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7,
-                 native_drafter: str | Path | None = None):
+                 native_drafter: str | Path | None = None, refine_passes: int = 1):
         self.target, self.width, self.heads = target, width, heads
+        self.refine_passes = refine_passes  # path-conditioned passes of jetflow-refine
         self.native_drafter = native_drafter  # checkpoint dir llama-dflash exports and runs
         self._native_gguf = None
         self.decoders = {}
@@ -163,7 +164,7 @@ class MethodRunner:
         elif spec.name == "jetflow-refine":
             if self._refined is None:
                 self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
-                                                refine=True)
+                                                refine=self.refine_passes)
             decoder = self._refined
         else:
             decoder = self.decoders[spec.head]

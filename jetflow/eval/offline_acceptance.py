@@ -31,7 +31,7 @@ from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
 from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, chain_followed
-from jetflow.decoding.refine import path_rows
+from jetflow.decoding.refine import path_rows, repath
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
@@ -121,7 +121,7 @@ class ReplayRounds:
     outside a reduced vocabulary can never be drafted)."""
 
     def __init__(self, head, embed, lm_weight, draft_index, features, seq, largest: int, width: int,
-                 chunk: int = 16, refine: bool = False, calibration=None):  # small chunks: the block-to-block mask grows as chunk^2
+                 chunk: int = 16, refine: int = 0, calibration=None):  # small chunks: the block-to-block mask grows as chunk^2
         self.head, self.embed, self.lm_weight, self.features = head, embed, lm_weight, features
         self.tokens = torch.tensor(seq.token_ids)
         ids = self.tokens if draft_index is None else draft_index[self.tokens]
@@ -145,8 +145,10 @@ class ReplayRounds:
         picks = torch.tensor(anchors)
         blocks, logprobs = self.first_pass(anchors)  # [K, B-1, Vd]
         second = None
-        if self.refine:  # [anchor, t1..t(B-1)]: slot j+1 reads t_j, a causal head's row after t1..tj
-            path = logprobs.argmax(-1)  # draft ids
+        path = logprobs.argmax(-1)  # draft ids
+        for n in range(self.refine):  # [anchor, t1..t(B-1)]: slot j+1 reads t_j, a causal head's row after t1..tj
+            if n:
+                path = repath(path, second)  # as decoding's passes (their early stop changes nothing here)
             path_ids = path if self.head.draft_ids is None else self.head.draft_ids.to(path.device)[path]
             blocks.block_ids.view(len(picks), self.block)[:, 1:] = path_ids.cpu()
             second = self._depth_logprobs(blocks)[:, 1:]  # [K, B-2, Vd]: depths 2..B-1 after the path
@@ -202,7 +204,7 @@ class ReplayRounds:
 @torch.no_grad()
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
-                       anchors: dict[int, torch.Tensor] | None = None, refine: bool | None = None,
+                       anchors: dict[int, torch.Tensor] | None = None, refine: bool | int | None = None,
                        lookup: bool = False, calibrated: bool = True, lookup_session: bool = False) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
@@ -212,8 +214,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     separately per budget -- this reproduces decoding's tau. Otherwise each sequence gets
     ``anchors_per_seq`` random answer anchors (seeded), or the given ``anchors[i]``, shared by all
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
-    replay the path-conditioned second pass (None: when decoding would run it, ``config.path_refine``);
-    only for heads that shift tokens. The chain stays the first pass's. ``lookup``: the trees hold the
+    replay the path-conditioned second pass (an int N: N passes, as decoding's ``refine=N``; None: when
+    decoding would run it, ``config.path_refine``); only for heads that shift tokens. The chain stays the first pass's. ``lookup``: the trees hold the
     prompt-lookup chain too (decoding's default; only where decoding puts the rounds), its calibration
     fresh per sequence as for a new request; with ``lookup_session`` its counts carry over from one
     sequence to the next, as when one ``JetFlow`` object answers them in order. ``calibrated``:
@@ -221,7 +223,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
-    refine = head.config.path_refine if refine is None else refine
+    refine = int(head.config.path_refine if refine is None else refine)  # passes after the first
     if refine and not (head.config.shift_tokens and head.config.attention == "causal"):
         raise JetFlowError("offline replay of the second pass needs a causal head trained with --shift-tokens; "
                            "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
@@ -303,7 +305,7 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
-                      seed: int = 0, log=print, refine: bool | None = None, lookup: bool = False,
+                      seed: int = 0, log=print, refine: bool | int | None = None, lookup: bool = False,
                       calibrated: bool = True, lookup_session: bool = False) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
@@ -324,7 +326,7 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
                                     lookup_session=lookup_session)
         results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
                               "lookup_session": lookup_session,
-                              "refine": head.config.path_refine if refine is None else refine,
+                              "refine": int(head.config.path_refine if refine is None else refine),
                               "calibrated": calibrated and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
