@@ -648,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
     b.add_argument("--refine-passes", type=_positive_int, default=1, metavar="N",
-                   help="jetflow-refine: path-conditioned passes per round, each on the path the one before chose")
+                   help="jetflow-refine (and jetflow-lookup with a head trained for it): path-conditioned passes per "
+                        "round, each on the path the one before chose")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)

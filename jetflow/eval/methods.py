@@ -13,7 +13,8 @@
     dflash         bidirectional head, chain (width 1, one path of block_size - 1 drafts)
     ddtree         bidirectional head, best-first tree
     jetflow        causal head, best-first tree
-    jetflow-lookup causal head and prompt lookup merged into one tree (JetFlow's default drafting)
+    jetflow-lookup causal head and prompt lookup merged into one tree (JetFlow's default drafting;
+                   with a head trained for it, its path-conditioned passes too, as jetflow-refine)
     jetflow-chain  causal head, chain
     jetflow-refine causal head trained with revealed blocks (``train --reveal``), best-first tree
                    over its first pass and its path-conditioned second pass (decoding/refine.py);
@@ -157,9 +158,10 @@ class MethodRunner:
         if spec.name == "torch-jetflow":
             decoder = self._torch_twin()[1]
         elif spec.name in ("jetflow-lookup", "eagle3-lookup"):
-            if spec.head not in self._mixed:
-                self._mixed[spec.head] = jetflow.JetFlow(self.target, self.decoders[spec.head].drafter.head,
-                                                         lookup=True, refine=False)
+            if spec.head not in self._mixed:  # as the default decoder: with the head's second pass if it has one
+                head = self.decoders[spec.head].drafter.head
+                self._mixed[spec.head] = jetflow.JetFlow(self.target, head, lookup=True,
+                                                         refine=self.refine_passes if head.config.path_refine else 0)
             decoder = self._mixed[spec.head]
         elif spec.name == "jetflow-refine":
             if self._refined is None:
