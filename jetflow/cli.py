@@ -10,6 +10,18 @@ from pathlib import Path
 from jetflow.errors import JetFlowError
 
 
+def _refine_mode(value: str) -> int | str:
+    if value == "tree":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of passes >= 1 or 'tree', got {value!r}")
+    return n
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="short name, HF model dir, .gguf file or hub id (default: smollm2-135m-instruct)")
@@ -346,7 +358,7 @@ def cmd_bench(args) -> int:
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
                                     cost_model=not args.no_cost_model, interleave=args.order == "interleaved",
-                                    refine_passes=args.refine_passes)
+                                    refine=args.refine)
     print(json.dumps(summary))
     return 1 if mismatches else 0
 
@@ -647,9 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
-    b.add_argument("--refine-passes", type=_positive_int, default=1, metavar="N",
-                   help="jetflow-refine (and jetflow-lookup with a head trained for it): path-conditioned passes per "
-                        "round, each on the path the one before chose")
+    b.add_argument("--refine", type=_refine_mode, default=1, metavar="N|tree",
+                   help="the second pass of jetflow-refine (and of jetflow-lookup with a head trained for it): N "
+                        "path-conditioned passes per round, each on the path the one before chose, or 'tree': one "
+                        "pass conditioning every node of the first pass's tree (default 1)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)

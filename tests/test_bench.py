@@ -57,21 +57,23 @@ def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
     assert chain.stats["width"] == 1 and chain.stats["budget"] == 5  # block_size - 1 drafts in a path
 
 
-def test_refine_passes_reach_the_refine_and_lookup_methods(tiny_dir):
-    """--refine-passes N: jetflow-refine runs N path-conditioned passes, and so does jetflow-lookup (the
-    default decoder) with a head trained for them; both still equal ar."""
+@pytest.mark.parametrize("refine", [2, "tree"])
+def test_refine_modes_reach_the_refine_and_lookup_methods(tiny_dir, refine):
+    """--refine N|tree: jetflow-refine runs that second pass, and so does jetflow-lookup (the default
+    decoder) with a head trained for it; both still equal ar."""
     target = TargetModel.load(str(tiny_dir))
     torch.manual_seed(3)
     head = DraftHead(DraftHeadConfig.for_target(target, block_size=6, feed_last_feature=True, shift_tokens=True,
                                                 path_projection=True))
     head.config.path_refine = True
-    runner = MethodRunner(target, {"causal": head}, width=3, refine_passes=2)
+    runner = MethodRunner(target, {"causal": head}, width=3, refine=refine)
     prompt = [{"role": "user", "content": "hello there"}]
     ar = runner.run(METHODS["ar"], prompt, budget=None, max_new_tokens=20)
     for name in ("jetflow-refine", "jetflow-lookup"):
         runner.check(METHODS[name])
         assert runner.run(METHODS[name], prompt, budget=8, max_new_tokens=20).token_ids == ar.token_ids, name
-    assert runner._refined.drafter.refine == 2 and runner._mixed["causal"].drafter.primary.refine == 2
+    for drafter in (runner._refined.drafter, runner._mixed["causal"].drafter.primary):
+        assert (drafter.refine_tree, drafter.refine) == ((True, 1) if refine == "tree" else (False, 2))
 
 
 def test_method_list_and_missing_heads(tiny_dir):

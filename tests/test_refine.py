@@ -10,7 +10,7 @@ import torch
 
 import jetflow
 from jetflow.decoding.block_drafter import BlockDrafter
-from jetflow.decoding.refine import path_rows, refine_layout
+from jetflow.decoding.refine import path_rows, refine_layout, tree_pass_layout, tree_rows
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.tree.build import build_tree, build_tree_rows
@@ -155,8 +155,9 @@ def test_shifted_slots_read_the_token_before_them(target):
     parents, depths = refine_layout(3)
     depth_t = torch.tensor(depths)
     tree_mask = torch.cat([torch.ones(5, 5, dtype=torch.bool), ancestor_matrix(parents)], 1)
-    with pytest.raises(ValueError, match="blocks, not trees"):
-        shifted(torch.randn(5, 64), 5 + depth_t, ctx, tree_mask, last, depths=depth_t)
+    nodes = torch.randn(5, 64)  # a tree of slots: the caller gives each slot the token it reads
+    torch.testing.assert_close(shifted(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t),
+                               plain(nodes, 5 + depth_t, ctx, tree_mask, last, depths=depth_t), atol=1e-5, rtol=0)
 
 
 def test_path_projection_projects_the_token_each_slot_reads(target):
@@ -226,3 +227,61 @@ def test_more_passes_iterate_the_path_to_its_fixed_point(target):
     for prompt in ([3, 14, 15, 92, 65], [7] * 9):
         assert jf.generate(prompt, max_new_tokens=30).token_ids == jetflow.generate(target, prompt,
                                                                                     max_new_tokens=30).token_ids
+
+
+def test_tree_pass_rows_equal_blocks_along_each_node_path(target):
+    """refine="tree": the row of every first-tree node equals a plain causal block [anchor, path to the
+    node, MASK] read at its last slot (brute force, one block per node), and the first pass's rows
+    are kept."""
+    head = make_head(target, shift_tokens=True, path_projection=True, draft_vocab_size=40)
+    head.set_draft_vocab(torch.randperm(target.vocab_size)[:40].sort().values)
+    with torch.no_grad():
+        head.path_proj[1].weight.normal_(std=0.3)
+    drafter = BlockDrafter(head, target, refine="tree")
+    torch.manual_seed(5)
+    drafter.extend(torch.randn(7, 2 * 64))
+    anchor, position, budget = 11, 7, 9
+    proposal = drafter.propose(anchor, position, room=5, width=3, max_nodes=budget)
+    first = drafter.head_logprobs(anchor, position)
+    d = first.shape[0]
+    first_tree = build_tree_rows(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, budget, 3, head.draft_ids)
+    assert len(first_tree) == budget + 1 and max(first_tree.depths) >= 2
+    torch.testing.assert_close(proposal.rows[:d], first)
+    ctx_len, mask_id = drafter.context_len, head.config.mask_token_id
+    for n in range(1, len(first_tree)):
+        path = [first_tree.tokens[j] for j in path_to_root(first_tree.parents, n)[1:]]
+        block = torch.tensor([anchor] + path + [mask_id])
+        k = len(block)
+        hidden = head(target.embed(block), torch.arange(position, position + k), drafter.context_kv,
+                      head.block_mask(ctx_len)[:k, : ctx_len + k], drafter.last_feature)
+        torch.testing.assert_close(proposal.rows[d + n - 1], drafter._output_logprobs(hidden[-1:])[0],
+                                   atol=1e-5, rtol=0)
+
+
+def test_tree_pass_layout_and_rows_by_hand():
+    tree = build_tree(torch.tensor([[0.0, -1.0, -9.0], [-0.5, -2.0, -9.0], [-0.1, -3.0, -9.0]]).log_softmax(-1),
+                      7, 5, 2)
+    parents, depths, reads = tree_pass_layout(tree)
+    assert reads == [7, 7] + tree.tokens[1:]
+    assert depths == [0, 1] + [k + 1 for k in tree.depths[1:]]
+    assert parents[:2] == [-1, 0] and all(parents[n + 1] == (tree.parents[n] + 1 if tree.parents[n] else 1)
+                                          for n in range(1, len(tree)))
+    nxt, d = tree_rows(tree, 3), 3
+    for n in range(1, len(tree)):  # a first-tree node's children come from its own row
+        row = 0 if tree.parents[n] == 0 else d + tree.parents[n] - 1
+        assert nxt(row, tree.tokens[n]) == (d + n - 1 if tree.depths[n] < d else None)
+    assert nxt(0, 99) == 1 and nxt(1, 0) == 2 and nxt(2, 0) is None  # off the first tree: the first pass's rows
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_greedy_decoding_with_the_tree_pass_equals_autoregressive(target, int8):
+    head = make_head(target, shift_tokens=True, path_projection=True)
+    with torch.no_grad():
+        head.path_proj[1].weight.normal_(std=0.3)
+    jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False, refine="tree")
+    assert jf.drafter.refine_tree
+    for prompt in ([3, 14, 15, 92, 65], [7] * 9, [101, 5]):
+        assert jf.generate(prompt, max_new_tokens=30).token_ids == jetflow.generate(target, prompt,
+                                                                                    max_new_tokens=30).token_ids
+    with pytest.raises(ValueError, match="shifts tokens"):
+        BlockDrafter(make_head(target), target, refine="tree")

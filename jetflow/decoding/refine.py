@@ -17,6 +17,11 @@ slots give the same rows.
 More passes (``refine=N``) iterate the path to a fixed point, Jacobi-style: pass n+1 runs on the path
 that pass n's rows choose greedily (t1 from the first pass, t(j+1) the top token after t1..tj), so the
 main chain of the tree is conditioned on its own tokens one depth further per pass.
+
+``refine="tree"`` conditions the whole first-pass tree instead, in one pass, for a head that shifts
+tokens: one slot per tree node, reading the node's token under its parent's slot (tree-causal mask),
+so its output is the distribution of that node's children after the node's own path, the paper's
+Eq. 5-7 for every node of the first tree. The tree is then built again over both passes' rows.
 """
 
 from __future__ import annotations
@@ -59,17 +64,47 @@ def repath(path: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return torch.cat([path[..., :1], after.argmax(-1)], dim=-1)
 
 
-class RefinedProposal:
-    """Both passes' rows; a tree of any budget is built from them."""
+def tree_pass_layout(tree: DraftTree) -> tuple[list[int], list[int], list[int]]:
+    """Parents, depths and read tokens of the tree-conditioned pass over a first-pass ``tree``: slot 0
+    is the anchor; slot 1 reads it at depth 1 (the first pass's slot 1); slot n+1 reads node n's
+    token at depth(n)+1 under its parent's slot. Along one path this is the causal block [anchor,
+    t1..tk, MASK] of a head that shifts tokens, slot for slot."""
+    parents, depths, reads = [-1, 0], [0, 1], [tree.tokens[0]] * 2
+    for n in range(1, len(tree)):
+        parents.append(tree.parents[n] + 1 if tree.parents[n] else 1)
+        depths.append(tree.depths[n] + 1)
+        reads.append(tree.tokens[n])
+    return parents, depths, reads
 
-    def __init__(self, rows: torch.Tensor, path_tokens: list[int], depth: int, root: int, width: int,
-                 vocab_ids: torch.Tensor | None = None):
-        self.rows, self.path_tokens, self.depth = rows, path_tokens, depth
+
+def tree_rows(first: DraftTree, depth: int):
+    """``next_row`` for build_tree_rows over rows [first pass, depths 1..D] + [node rows]: row D+n-1
+    holds the children of first-tree node n after its path. A node of the first tree takes its
+    children from its own row, any other node from the first pass's row of their depth."""
+    d = depth
+
+    def next_row(row: int, token: int) -> int | None:
+        owner = 0 if row == 0 else row - d + 1 if row >= d else None  # first-tree node whose children the row holds
+        level = row + 1 if row < d else first.depths[owner] + 1  # depth of the new node
+        if level >= d:
+            return None
+        child = first.children[owner].get(token) if owner is not None else None
+        return d + child - 1 if child is not None else level
+
+    return next_row
+
+
+class RefinedProposal:
+    """Both passes' rows; a tree of any budget is built from them (``next_row``: whose row holds which
+    node's children)."""
+
+    def __init__(self, rows: torch.Tensor, next_row, root: int, width: int, vocab_ids: torch.Tensor | None = None,
+                 path_tokens: list[int] | None = None):
+        self.rows, self.next_row, self.path_tokens = rows, next_row, path_tokens
         self.root, self.width, self.vocab_ids = root, width, vocab_ids
 
     def tree(self, budget: int) -> DraftTree:
-        return build_tree_rows(self.rows, path_rows(self.depth, self.path_tokens), self.root, budget,
-                               self.width, self.vocab_ids)
+        return build_tree_rows(self.rows, self.next_row, self.root, budget, self.width, self.vocab_ids)
 
 
 def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) -> torch.Tensor:
@@ -103,11 +138,32 @@ def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, w
 
     path_ids = first.argmax(-1)
     if d < 2:
-        return RefinedProposal(first, target_ids(path_ids), d, anchor, width, drafter.draft_ids)
+        return RefinedProposal(first, path_rows(d, []), anchor, width, drafter.draft_ids, target_ids(path_ids))
     for n in range(passes):
         after = drafter._output_logprobs(path_hidden(drafter, anchor, position, target_ids(path_ids), d))
         nxt = repath(path_ids, after)
         if n + 1 == passes or torch.equal(nxt, path_ids):
             break
         path_ids = nxt
-    return RefinedProposal(torch.cat([first, after]), target_ids(path_ids), d, anchor, width, drafter.draft_ids)
+    path = target_ids(path_ids)
+    return RefinedProposal(torch.cat([first, after]), path_rows(d, path), anchor, width, drafter.draft_ids, path)
+
+
+@torch.inference_mode()
+def tree_refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int,
+                          budget: int) -> RefinedProposal:
+    """The tree-conditioned pass over the first pass's tree of ``budget`` nodes (rows ``first`` [D, Vd]
+    from ``anchor`` at ``position``; the drafter's context must end right before it)."""
+    head, device, d = drafter.head, drafter.head.fc.weight.device, first.shape[0]
+    first_tree = build_tree_rows(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, budget, width,
+                                 drafter.draft_ids)
+    if len(first_tree) < 2 or d < 2:
+        return RefinedProposal(first, tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
+    parents, depths, reads = tree_pass_layout(first_tree)
+    depth_t = torch.tensor(depths, device=device)
+    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
+                      ancestor_matrix(parents).to(device)], 1)
+    hidden = drafter.run_head(drafter.embed(torch.tensor(reads, device=device)), position + depth_t,
+                              drafter.context_kv, mask, drafter.last_feature, depths=depth_t)[2:]
+    rows = torch.cat([first, drafter._output_logprobs(hidden)])
+    return RefinedProposal(rows, tree_rows(first_tree, d), anchor, width, drafter.draft_ids)

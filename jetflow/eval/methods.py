@@ -99,9 +99,9 @@ class MethodRunner:
     is missing, has the wrong attention, or needs another backend is refused up front."""
 
     def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7,
-                 native_drafter: str | Path | None = None, refine_passes: int = 1):
+                 native_drafter: str | Path | None = None, refine: int | str = 1):
         self.target, self.width, self.heads = target, width, heads
-        self.refine_passes = refine_passes  # path-conditioned passes of jetflow-refine
+        self.refine = refine  # the second pass of jetflow-refine: passes, or "tree"
         self.native_drafter = native_drafter  # checkpoint dir llama-dflash exports and runs
         self._native_gguf = None
         self.decoders = {}
@@ -161,12 +161,12 @@ class MethodRunner:
             if spec.head not in self._mixed:  # as the default decoder: with the head's second pass if it has one
                 head = self.decoders[spec.head].drafter.head
                 self._mixed[spec.head] = jetflow.JetFlow(self.target, head, lookup=True,
-                                                         refine=self.refine_passes if head.config.path_refine else 0)
+                                                         refine=self.refine if head.config.path_refine else 0)
             decoder = self._mixed[spec.head]
         elif spec.name == "jetflow-refine":
             if self._refined is None:
                 self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
-                                                refine=self.refine_passes)
+                                                refine=self.refine)
             decoder = self._refined
         else:
             decoder = self.decoders[spec.head]

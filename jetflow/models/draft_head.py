@@ -291,13 +291,11 @@ class DraftHead(nn.Module):
         they are not ``config.block_size`` (training's 2-slot depth-1 blocks); default: whole blocks, or
         one block of Q < block_size slots. ``depths`` [Q]: the slots are one tree instead (the
         path-conditioned pass, decoding/refine.py): slot 0 is the anchor, slot i sits at depth
-        ``depths[i]`` below it, and ``mask`` says which slots it sees (heads that shift tokens run
-        their second pass as a plain block instead)."""
+        ``depths[i]`` below it, and ``mask`` says which slots it sees; for a head that shifts tokens,
+        ``block_embeds`` then already hold the token each slot reads (its parent's)."""
         x = block_embeds.to(self.fc.weight.dtype)
         b = block_size or min(self.config.block_size, x.shape[-2])
-        if self.config.shift_tokens:  # slot j reads slot j-1's token (the anchor reads its own)
-            if depths is not None:
-                raise ValueError("a head that shifts tokens runs blocks, not trees of slots")
+        if self.config.shift_tokens and depths is None:  # slot j reads slot j-1's token (the anchor its own)
             blocks = x.unflatten(-2, (-1, b))
             x = torch.cat([blocks[..., :1, :], blocks[..., :-1, :]], dim=-2).flatten(-3, -2)
         if self.slot_embed_norm is not None:
