@@ -240,15 +240,17 @@ def test_tree_pass_rows_equal_blocks_along_each_node_path(target):
     drafter = BlockDrafter(head, target, refine="tree")
     torch.manual_seed(5)
     drafter.extend(torch.randn(7, 2 * 64))
-    anchor, position, budget = 11, 7, 9
-    proposal = drafter.propose(anchor, position, room=5, width=3, max_nodes=budget)
-    first = drafter.head_logprobs(anchor, position)
+    anchor, position, budget = 11, 7, 16
+    proposal = drafter.propose(anchor, position, room=3, width=3, max_nodes=budget)
+    first = drafter.head_logprobs(anchor, position)[:3]
     d = first.shape[0]
     first_tree = build_tree_rows(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, budget, 3, head.draft_ids)
-    assert len(first_tree) == budget + 1 and max(first_tree.depths) >= 2
+    assert len(first_tree) == budget + 1 and max(first_tree.depths) == d  # the last level is reached
     torch.testing.assert_close(proposal.rows[:d], first)
     ctx_len, mask_id = drafter.context_len, head.config.mask_token_id
     for n in range(1, len(first_tree)):
+        if first_tree.depths[n] == d:  # no slot, no children
+            continue
         path = [first_tree.tokens[j] for j in path_to_root(first_tree.parents, n)[1:]]
         block = torch.tensor([anchor] + path + [mask_id])
         k = len(block)
@@ -261,12 +263,14 @@ def test_tree_pass_rows_equal_blocks_along_each_node_path(target):
 def test_tree_pass_layout_and_rows_by_hand():
     tree = build_tree(torch.tensor([[0.0, -1.0, -9.0], [-0.5, -2.0, -9.0], [-0.1, -3.0, -9.0]]).log_softmax(-1),
                       7, 5, 2)
-    parents, depths, reads = tree_pass_layout(tree)
-    assert reads == [7, 7] + tree.tokens[1:]
-    assert depths == [0, 1] + [k + 1 for k in tree.depths[1:]]
-    assert parents[:2] == [-1, 0] and all(parents[n + 1] == (tree.parents[n] + 1 if tree.parents[n] else 1)
-                                          for n in range(1, len(tree)))
     nxt, d = tree_rows(tree, 3), 3
+    assert max(tree.depths) == d  # the last level gets no slot: its nodes can have no children
+    parents, depths, reads, nodes = tree_pass_layout(tree, d)
+    assert nodes == [n for n in range(1, len(tree)) if tree.depths[n] < d]
+    slot = {0: 1, **{n: i + 2 for i, n in enumerate(nodes)}}
+    assert reads == [7, 7] + [tree.tokens[n] for n in nodes]
+    assert depths == [0, 1] + [tree.depths[n] + 1 for n in nodes]
+    assert parents == [-1, 0] + [slot[tree.parents[n]] for n in nodes]
     for n in range(1, len(tree)):  # a first-tree node's children come from its own row
         row = 0 if tree.parents[n] == 0 else d + tree.parents[n] - 1
         assert nxt(row, tree.tokens[n]) == (d + n - 1 if tree.depths[n] < d else None)

@@ -64,17 +64,24 @@ def repath(path: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return torch.cat([path[..., :1], after.argmax(-1)], dim=-1)
 
 
-def tree_pass_layout(tree: DraftTree) -> tuple[list[int], list[int], list[int]]:
-    """Parents, depths and read tokens of the tree-conditioned pass over a first-pass ``tree``: slot 0
-    is the anchor; slot 1 reads it at depth 1 (the first pass's slot 1); slot n+1 reads node n's
-    token at depth(n)+1 under its parent's slot. Along one path this is the causal block [anchor,
-    t1..tk, MASK] of a head that shifts tokens, slot for slot."""
-    parents, depths, reads = [-1, 0], [0, 1], [tree.tokens[0]] * 2
+def tree_pass_layout(tree: DraftTree, depth: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Parents, depths and read tokens of the tree-conditioned pass over a first-pass ``tree`` of at
+    most ``depth`` levels, and the tree node of each slot from slot 2 on: slot 0 is the anchor; slot 1
+    reads it at depth 1 (the first pass's slot 1); each node n above the last level gets a slot that
+    reads its token at depth(n)+1 under its parent's slot (nodes at the last level can have no
+    children). Along one path this is the causal block [anchor, t1..tk, MASK] of a head that shifts
+    tokens, slot for slot."""
+    parents, depths, reads, nodes = [-1, 0], [0, 1], [tree.tokens[0]] * 2, []
+    slot = {0: 1}
     for n in range(1, len(tree)):
-        parents.append(tree.parents[n] + 1 if tree.parents[n] else 1)
+        if tree.depths[n] >= depth:
+            continue
+        slot[n] = len(parents)
+        parents.append(slot[tree.parents[n]])
         depths.append(tree.depths[n] + 1)
         reads.append(tree.tokens[n])
-    return parents, depths, reads
+        nodes.append(n)
+    return parents, depths, reads, nodes
 
 
 def tree_rows(first: DraftTree, depth: int):
@@ -159,11 +166,12 @@ def tree_refined_proposal(drafter, anchor: int, position: int, first: torch.Tens
                                  drafter.draft_ids)
     if len(first_tree) < 2 or d < 2:
         return RefinedProposal(first, tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
-    parents, depths, reads = tree_pass_layout(first_tree)
+    parents, depths, reads, nodes = tree_pass_layout(first_tree, d)
     depth_t = torch.tensor(depths, device=device)
     mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
                       ancestor_matrix(parents).to(device)], 1)
     hidden = drafter.run_head(drafter.embed(torch.tensor(reads, device=device)), position + depth_t,
                               drafter.context_kv, mask, drafter.last_feature, depths=depth_t)[2:]
-    rows = torch.cat([first, drafter._output_logprobs(hidden)])
-    return RefinedProposal(rows, tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
+    node_rows = first.new_full((len(first_tree) - 1, first.shape[1]), float("-inf"))  # last-level nodes: unused
+    node_rows[torch.tensor(nodes, device=device) - 1] = drafter._output_logprobs(hidden).to(first.dtype)
+    return RefinedProposal(torch.cat([first, node_rows]), tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
