@@ -11,15 +11,17 @@ from jetflow.errors import JetFlowError
 
 
 def _refine_mode(value: str) -> int | str:
-    if value == "tree":
-        return value
+    from jetflow.decoding.refine import tree_passes
+
     try:
-        n = int(value)
+        if value.startswith("tree"):
+            tree_passes(value)  # refuses a malformed one
+            return value
+        if int(value) >= 1:
+            return int(value)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of passes >= 1 or 'tree', got {value!r}")
-    return n
+        pass
+    raise argparse.ArgumentTypeError(f"expected a number of passes >= 1, 'tree' or 'tree:N', got {value!r}")
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -659,10 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
     b.add_argument("--width", type=_positive_int, default=7)
-    b.add_argument("--refine", type=_refine_mode, default=1, metavar="N|tree",
+    b.add_argument("--refine", type=_refine_mode, default=1, metavar="N|tree[:N]",
                    help="the second pass of jetflow-refine (and of jetflow-lookup with a head trained for it): N "
                         "path-conditioned passes per round, each on the path the one before chose, or 'tree': one "
-                        "pass conditioning every node of the first pass's tree (default 1)")
+                        "pass conditioning every node of the first pass's tree ('tree:N': N, each over the tree "
+                        "the one before built; default 1)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)

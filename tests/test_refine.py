@@ -229,15 +229,16 @@ def test_more_passes_iterate_the_path_to_its_fixed_point(target):
                                                                                     max_new_tokens=30).token_ids
 
 
-def test_tree_pass_rows_equal_blocks_along_each_node_path(target):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_tree_pass_rows_equal_blocks_along_each_node_path(target, passes):
     """refine="tree": the row of every first-tree node equals a plain causal block [anchor, path to the
     node, MASK] read at its last slot (brute force, one block per node), and the first pass's rows
-    are kept."""
+    are kept; "tree:2": the same over the tree the first tree pass built."""
     head = make_head(target, shift_tokens=True, path_projection=True, draft_vocab_size=40)
     head.set_draft_vocab(torch.randperm(target.vocab_size)[:40].sort().values)
     with torch.no_grad():
         head.path_proj[1].weight.normal_(std=0.3)
-    drafter = BlockDrafter(head, target, refine="tree")
+    drafter = BlockDrafter(head, target, refine="tree" if passes == 1 else f"tree:{passes}")
     torch.manual_seed(5)
     drafter.extend(torch.randn(7, 2 * 64))
     anchor, position, budget = 11, 7, 16
@@ -245,6 +246,11 @@ def test_tree_pass_rows_equal_blocks_along_each_node_path(target):
     first = drafter.head_logprobs(anchor, position)[:3]
     d = first.shape[0]
     first_tree = build_tree_rows(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, budget, 3, head.draft_ids)
+    if passes == 2:  # the tree the first tree pass built
+        one = BlockDrafter(head, target, refine="tree")
+        torch.manual_seed(5)
+        one.extend(torch.randn(7, 2 * 64))  # the same context
+        first_tree = one.propose(anchor, position, room=3, width=3, max_nodes=budget).tree(budget)
     assert len(first_tree) == budget + 1 and max(first_tree.depths) == d  # the last level is reached
     torch.testing.assert_close(proposal.rows[:d], first)
     ctx_len, mask_id = drafter.context_len, head.config.mask_token_id
@@ -277,15 +283,18 @@ def test_tree_pass_layout_and_rows_by_hand():
     assert nxt(0, 99) == 1 and nxt(1, 0) == 2 and nxt(2, 0) is None  # off the first tree: the first pass's rows
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_greedy_decoding_with_the_tree_pass_equals_autoregressive(target, int8):
+@pytest.mark.parametrize("int8,mode", [(False, "tree"), (True, "tree"), (False, "tree:2")])
+def test_greedy_decoding_with_the_tree_pass_equals_autoregressive(target, int8, mode):
     head = make_head(target, shift_tokens=True, path_projection=True)
     with torch.no_grad():
         head.path_proj[1].weight.normal_(std=0.3)
-    jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False, refine="tree")
+    jf = jetflow.JetFlow(target, head, budget=12, width=3, int8_draft=int8, lookup=False, refine=mode)
     assert jf.drafter.refine_tree
     for prompt in ([3, 14, 15, 92, 65], [7] * 9, [101, 5]):
         assert jf.generate(prompt, max_new_tokens=30).token_ids == jetflow.generate(target, prompt,
                                                                                     max_new_tokens=30).token_ids
     with pytest.raises(ValueError, match="shifts tokens"):
         BlockDrafter(make_head(target), target, refine="tree")
+    for bad in ("tree:0", "tree:x", "trees"):
+        with pytest.raises(ValueError, match="'tree:N'"):
+            BlockDrafter(head, target, refine=bad)

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from jetflow.decoding.refine import refined_proposal, tree_refined_proposal
+from jetflow.decoding.refine import refined_proposal, tree_passes, tree_refined_proposal
 from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
 from jetflow.models.int8 import int8_linear, int8_linears
@@ -36,11 +36,11 @@ class BlockDrafter:
                  refine: bool | int | str | None = None):
         """``refine``: run the path-conditioned second pass each round (decoding/refine.py); an int N:
         N such passes, each on the path the one before chose; "tree": one pass conditioning every node
-        of the first pass's tree (heads that shift tokens); None: one when the head was trained for it
+        of the first pass's tree (heads that shift tokens), "tree:N" N of them; None: one when the head was trained for it
         (``config.path_refine``). Trees use the head's tree calibration
         when its checkpoint has one (not with the second pass, whose rows it was not fitted on)."""
         check_compatible(head.config, target)
-        self.refine_tree = refine == "tree"
+        self.refine_tree = tree_passes(refine)  # 0: path passes (or none)
         if self.refine_tree and not head.config.shift_tokens:
             raise ValueError("the tree-conditioned pass needs a head that shifts tokens (--shift-tokens)")
         self.refine = 1 if self.refine_tree else int(head.config.path_refine if refine is None else refine)
@@ -112,7 +112,7 @@ class BlockDrafter:
         depth = room if max_nodes is None else min(room, max_nodes)
         first = self.head_logprobs(anchor, position, depth)[:room]
         if self.refine_tree and max_nodes:
-            return tree_refined_proposal(self, anchor, position, first, width, max_nodes)
+            return tree_refined_proposal(self, anchor, position, first, width, max_nodes, self.refine_tree)
         if self.refine and first.shape[0] >= 2:
             return refined_proposal(self, anchor, position, first, width, self.refine)
         return self.proposal(first, anchor, width)

@@ -22,6 +22,7 @@ main chain of the tree is conditioned on its own tokens one depth further per pa
 tokens: one slot per tree node, reading the node's token under its parent's slot (tree-causal mask),
 so its output is the distribution of that node's children after the node's own path, the paper's
 Eq. 5-7 for every node of the first tree. The tree is then built again over both passes' rows.
+``refine="tree:N"``: N such passes, each over the tree the one before built.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ import torch
 
 from jetflow.tree.build import DraftTree, build_tree_rows
 from jetflow.tree.mask import ancestor_matrix
+
+
+def tree_passes(refine) -> int:
+    """Tree-conditioned passes a ``refine`` setting asks for: "tree" 1, "tree:N" N, anything else 0."""
+    if not isinstance(refine, str):
+        return 0
+    kind, _, count = refine.partition(":")
+    if kind != "tree" or (count and not count.isdigit()) or count == "0":
+        raise ValueError(f"refine must be a number of passes, 'tree' or 'tree:N' (N >= 1), got {refine!r}")
+    return int(count or 1)
 
 
 def refine_layout(depth: int) -> tuple[list[int], list[int]]:
@@ -158,20 +169,23 @@ def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, w
 
 @torch.inference_mode()
 def tree_refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int,
-                          budget: int) -> RefinedProposal:
+                          budget: int, passes: int = 1) -> RefinedProposal:
     """The tree-conditioned pass over the first pass's tree of ``budget`` nodes (rows ``first`` [D, Vd]
-    from ``anchor`` at ``position``; the drafter's context must end right before it)."""
+    from ``anchor`` at ``position``; the drafter's context must end right before it). Each further
+    pass conditions the tree the pass before built."""
     head, device, d = drafter.head, drafter.head.fc.weight.device, first.shape[0]
-    first_tree = build_tree_rows(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, budget, width,
-                                 drafter.draft_ids)
-    if len(first_tree) < 2 or d < 2:
-        return RefinedProposal(first, tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
-    parents, depths, reads, nodes = tree_pass_layout(first_tree, d)
-    depth_t = torch.tensor(depths, device=device)
-    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
-                      ancestor_matrix(parents).to(device)], 1)
-    hidden = drafter.run_head(drafter.embed(torch.tensor(reads, device=device)), position + depth_t,
-                              drafter.context_kv, mask, drafter.last_feature, depths=depth_t)[2:]
-    node_rows = first.new_full((len(first_tree) - 1, first.shape[1]), float("-inf"))  # last-level nodes: unused
-    node_rows[torch.tensor(nodes, device=device) - 1] = drafter._output_logprobs(hidden).to(first.dtype)
-    return RefinedProposal(torch.cat([first, node_rows]), tree_rows(first_tree, d), anchor, width, drafter.draft_ids)
+    proposal = RefinedProposal(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, width, drafter.draft_ids)
+    for _ in range(passes if d >= 2 else 0):
+        tree = proposal.tree(budget)
+        if len(tree) < 2:
+            break
+        parents, depths, reads, nodes = tree_pass_layout(tree, d)
+        depth_t = torch.tensor(depths, device=device)
+        mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
+                          ancestor_matrix(parents).to(device)], 1)
+        hidden = drafter.run_head(drafter.embed(torch.tensor(reads, device=device)), position + depth_t,
+                                  drafter.context_kv, mask, drafter.last_feature, depths=depth_t)[2:]
+        node_rows = first.new_full((len(tree) - 1, first.shape[1]), float("-inf"))  # last-level nodes: unused
+        node_rows[torch.tensor(nodes, device=device) - 1] = drafter._output_logprobs(hidden).to(first.dtype)
+        proposal = RefinedProposal(torch.cat([first, node_rows]), tree_rows(tree, d), anchor, width, drafter.draft_ids)
+    return proposal
