@@ -34,11 +34,12 @@ DEFAULT_WIDTH = 7
 class JetFlow:
     def __init__(self, target: TargetBackend, head: DraftHead | None = None, *, budget: int | str | None = None,
                  width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None,
-                 lookup: bool = True, drafter: Drafter | None = None, refine: bool | int | None = None):
+                 lookup: bool = True, drafter: Drafter | None = None, refine: bool | int | str | None = None):
         """``head``: a draft head to run; or ``drafter``: a ready :class:`Drafter` (e.g. prompt lookup).
         ``lookup``: merge prompt-lookup candidates into the head's trees (decoding/mixed_drafter.py).
         ``refine``: a block head's path-conditioned second pass (decoding/refine.py; an int N: N such
-        passes); None: one when the head was trained for it."""
+        passes; "tree" or "tree:N": passes conditioning every node of the tree); None: one when the
+        head was trained for it."""
         self.target = target
         # The lean draft (int8 weights) by default where the target is llama.cpp: there a decoding step
         # is a few ms and an fp32 head forward would cost more than the step (docs/results.md).

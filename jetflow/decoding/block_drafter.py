@@ -36,8 +36,8 @@ class BlockDrafter:
                  refine: bool | int | str | None = None):
         """``refine``: run the path-conditioned second pass each round (decoding/refine.py); an int N:
         N such passes, each on the path the one before chose; "tree": one pass conditioning every node
-        of the first pass's tree (heads that shift tokens), "tree:N" N of them; None: one when the head was trained for it
-        (``config.path_refine``). Trees use the head's tree calibration
+        of the first pass's tree (heads that shift tokens), "tree:N" N of them; None: one when the
+        head was trained for it (``config.path_refine``). Trees use the head's tree calibration
         when its checkpoint has one (not with the second pass, whose rows it was not fitted on)."""
         check_compatible(head.config, target)
         self.refine_tree = tree_passes(refine)  # 0: path passes (or none)

@@ -47,7 +47,7 @@ DRAFTERS: dict[str, type[Drafter]] = {"block": BlockDrafter, "eagle3": EagleDraf
 
 
 def make_drafter(head: DraftHead, target: TargetBackend, int8: bool = False, lookup: bool = False,
-                 refine: bool | int | None = None) -> Drafter:
+                 refine: bool | int | str | None = None) -> Drafter:
     """The decoding-time runner of a head: one block forward per round, or EAGLE's D forwards.
     ``int8``: run a block head's matmuls with int8 weights (the lean CPU draft). ``lookup``: merge
     prompt-lookup candidates into its trees (decoding/mixed_drafter.py). ``refine``: a block head's

@@ -135,12 +135,18 @@ def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) ->
         positions = torch.arange(position, position + d + 1, device=device)
         return drafter.run_head(drafter.embed(ids), positions, drafter.context_kv, mask, drafter.last_feature)[2:]
     parents, depths = refine_layout(d)
-    ids = torch.tensor([anchor] + path[: d - 1] + [mask_id] * (d - 1), device=device)
+    return slots_hidden(drafter, [anchor] + path[: d - 1] + [mask_id] * (d - 1), parents, depths, position)[d:]
+
+
+def slots_hidden(drafter, tokens: list[int], parents: list[int], depths: list[int], position: int) -> torch.Tensor:
+    """Head states of one tree of slots after the drafter's context: slot i holds ``tokens[i]`` at
+    depth ``depths[i]`` below the anchor (slot 0, at ``position``) and sees its ancestors and itself."""
+    device = drafter.head.fc.weight.device
     depth_t = torch.tensor(depths, device=device)
-    inner = ancestor_matrix(parents).to(device)
-    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device), inner], 1)
-    return drafter.run_head(drafter.embed(ids), position + depth_t, drafter.context_kv, mask, drafter.last_feature,
-                            depths=depth_t)[d:]
+    mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
+                      ancestor_matrix(parents).to(device)], 1)
+    return drafter.run_head(drafter.embed(torch.tensor(tokens, device=device)), position + depth_t,
+                            drafter.context_kv, mask, drafter.last_feature, depths=depth_t)
 
 
 @torch.inference_mode()
@@ -173,19 +179,15 @@ def tree_refined_proposal(drafter, anchor: int, position: int, first: torch.Tens
     """The tree-conditioned pass over the first pass's tree of ``budget`` nodes (rows ``first`` [D, Vd]
     from ``anchor`` at ``position``; the drafter's context must end right before it). Each further
     pass conditions the tree the pass before built."""
-    head, device, d = drafter.head, drafter.head.fc.weight.device, first.shape[0]
-    proposal = RefinedProposal(first, lambda r, t: r + 1 if r + 1 < d else None, anchor, width, drafter.draft_ids)
+    d = first.shape[0]
+    proposal = drafter.proposal(first, anchor, width)  # the single pass's own tree comes first
     for _ in range(passes if d >= 2 else 0):
         tree = proposal.tree(budget)
         if len(tree) < 2:
             break
         parents, depths, reads, nodes = tree_pass_layout(tree, d)
-        depth_t = torch.tensor(depths, device=device)
-        mask = torch.cat([torch.ones(len(parents), drafter.context_len, dtype=torch.bool, device=device),
-                          ancestor_matrix(parents).to(device)], 1)
-        hidden = drafter.run_head(drafter.embed(torch.tensor(reads, device=device)), position + depth_t,
-                                  drafter.context_kv, mask, drafter.last_feature, depths=depth_t)[2:]
+        hidden = slots_hidden(drafter, reads, parents, depths, position)[2:]
         node_rows = first.new_full((len(tree) - 1, first.shape[1]), float("-inf"))  # last-level nodes: unused
-        node_rows[torch.tensor(nodes, device=device) - 1] = drafter._output_logprobs(hidden).to(first.dtype)
+        node_rows[torch.tensor(nodes) - 1] = drafter._output_logprobs(hidden).to(first.dtype)
         proposal = RefinedProposal(torch.cat([first, node_rows]), tree_rows(tree, d), anchor, width, drafter.draft_ids)
     return proposal
