@@ -51,7 +51,9 @@ def test_packed_equals_sdpa_and_the_definition(seed, mask_kind):
     packed, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=scale)
     stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)
     assert packed.shape == (batch, n, kv * groups, d)
-    assert torch.equal(packed, stock)
+    # Same keys, scores and mask per query row; the CPU kernel tiles the longer packed query differently,
+    # which on AVX2 moves the last bit of some outputs (on AVX-512 they were bit-identical).
+    torch.testing.assert_close(packed, stock, atol=1e-6, rtol=0)
     torch.testing.assert_close(packed.double(), brute_force(query, key, value, allowed, scale), atol=1e-5, rtol=0)
 
 
