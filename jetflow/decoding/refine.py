@@ -127,13 +127,11 @@ class RefinedProposal:
 
 def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) -> torch.Tensor:
     """Head states [D-1, H] of depths 2..D after the path t1..tj (row j-1: after t1..tj)."""
-    head, device = drafter.head, drafter.head.fc.weight.device
+    head = drafter.head
     mask_id = head.config.mask_token_id
-    if head.config.shift_tokens:  # a plain causal block [anchor, t1..t(D-1), MASK]; slot j+1 reads t_j
-        ids = torch.tensor([anchor] + path[: d - 1] + [mask_id], device=device)
-        mask = head.block_mask(drafter.context_len, device)[: d + 1, : drafter.context_len + d + 1]
-        positions = torch.arange(position, position + d + 1, device=device)
-        return drafter.run_head(drafter.embed(ids), positions, drafter.context_kv, mask, drafter.last_feature)[2:]
+    if head.config.shift_tokens:  # the causal block [anchor, t1..t(D-1), MASK] as a chain; slot j+1 reads t_j
+        return slots_hidden(drafter, [anchor, anchor] + path[: d - 1], list(range(-1, d)), list(range(d + 1)),
+                            position)[2:]
     parents, depths = refine_layout(d)
     return slots_hidden(drafter, [anchor] + path[: d - 1] + [mask_id] * (d - 1), parents, depths, position)[d:]
 
