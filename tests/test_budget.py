@@ -122,6 +122,60 @@ def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():
     assert cheap.draft_rate > cheap.plain_rate() and all(cheap.should_draft() for _ in range(10))
 
 
+def settle_losing(ab: AdaptiveBudget) -> None:
+    """Explore until drafting is tried only at the longest gap, losing against plain steps each time."""
+    lp = torch.full((15, 30), math.log(0.7 / 29))
+    lp[:, 0] = math.log(0.3)
+    ab.choose(build_tree(lp, 5, 64, 7))
+    while ab._explore_gap < ab.max_explore_every:
+        if ab.should_draft():
+            ab.choose(build_tree(lp, 5, 64, 7))
+
+
+def test_a_head_settled_as_losing_skips_features_but_every_eighth_request_reprobes():
+    ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
+    assert not ab.head_settled_losing() and ab.collects_features()  # no evidence yet
+    settle_losing(ab)
+    assert ab.head_settled_losing()
+    assert [ab.collects_features() for _ in range(16)] == ([False] * 7 + [True]) * 2
+    # lookup chains on offer where the head has not yet lost against them: features stay on
+    offered = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
+    settle_losing(offered)
+    offered.should_draft(offered.chain_offer(chain_tree([0.95] * 4)))
+    assert not offered.head_settled_losing() and offered.collects_features()
+    # once drafting also kept losing against the chains, they settle too
+    for _ in range(40):
+        offered.should_draft(offered.chain_offer(chain_tree([0.95] * 4)))
+    assert offered.head_settled_losing() and not offered.collects_features()
+    # a head that pays never goes featureless
+    paying = drafting_head()
+    assert not paying.head_settled_losing() and all(paying.collects_features() for _ in range(10))
+
+
+def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_path):
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path, lookup=True)
+    ab = jf.adaptive_budget()
+    settle_losing(ab)
+    asked = []
+    verify, prefill = target.verify, target.prefill
+    target.verify = lambda *a, **k: asked.append(k.get("return_hidden", True)) or verify(*a, **k)
+    target.prefill = lambda *a, **k: asked.append(k.get("return_hidden", True)) or prefill(*a, **k)
+    prompt = "one two three four five one two three four five one two three"
+    ar = jetflow.generate(target, prompt, max_new_tokens=32)
+    asked.clear()
+    quiet = jf.generate(prompt, max_new_tokens=32)
+    assert quiet.token_ids == ar.token_ids and quiet.stats["features"] is False
+    assert asked and not any(asked) and quiet.stats["round_kinds"].get("drafted", 0) == 0
+    for _ in range(6):
+        assert jf.generate(prompt, max_new_tokens=8).stats["features"] is False
+    asked.clear()
+    probe = jf.generate(prompt, max_new_tokens=32)  # the eighth: features on, the head may explore
+    assert probe.stats["features"] is True and all(asked) and probe.token_ids == ar.token_ids
+
+
 def chain_tree(rates):
     """A chain whose node d is accepted with P = prod(rates[:d]) (scores: cumulative log rates)."""
     scores = [0.0] + list(itertools.accumulate(math.log(r) for r in rates))

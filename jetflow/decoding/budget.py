@@ -27,6 +27,12 @@ tree with the chain merged in) is made by the model at first; once drafted round
 many tokens the head adds beyond the chain (measured exactly, see ``observe``), that gain, priced
 with the draft and the bigger verify, decides, and the other kind of round is still tried now and
 then. On copy-heavy requests most rounds then verify the chain alone and save the head's forward.
+
+Where the head has settled into losing both choices, a request does not even collect the target
+features the head reads (``collects_features``): on llama.cpp copying them out of every forward
+costs about 5% of a one-token step, paid for drafts that never come. Such requests decode plainly
+and with lookup chains alone; every ``reprobe_every``-th one collects features and explores as
+before, so a head that starts to pay (other prompts, a less loaded machine) is found again.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ class ChainOffer:
 class AdaptiveBudget:
     def __init__(self, costs: CostCurve, max_budget: int = 256, min_budget: int = 1, bins: int = 10,
                  max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8,
-                 max_explore_every: int = 64):
+                 max_explore_every: int = 64, reprobe_every: int = 8):
         self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
         self.bins, self.max_depth = bins, max_depth
         mids = [(b + 0.5) / bins for b in range(bins)]
@@ -88,6 +94,25 @@ class AdaptiveBudget:
         self._offer: ChainOffer | None = None  # this round's paying chain, when the round drafted
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
+        self.reprobe_every = reprobe_every
+        self._featureless = 0  # requests in a row served without features (the head settled as losing)
+
+    def head_settled_losing(self) -> bool:
+        """Whether drafting lost both ways until exploring reached its longest gap: against plain
+        steps, and against lookup chains alone where chains were on offer."""
+        against_plain = (self._explore_gap >= self.max_explore_every and self.draft_rate is not None
+                         and self.draft_rate < self.plain_rate())
+        chains = self._chain_explorer
+        return against_plain and (chains.decisions == 0 or chains.settled_against(True))
+
+    def collects_features(self) -> bool:
+        """Once per request: whether its forwards return the target features the head reads. False
+        while the head has settled as losing, except every ``reprobe_every``-th request."""
+        if not self.head_settled_losing() or self._featureless + 1 >= self.reprobe_every:
+            self._featureless = 0
+            return True
+        self._featureless += 1
+        return False
 
     def draft_nodes(self) -> int:
         """How many nodes to draft this round: twice the largest recent choice (so the choice can

@@ -16,6 +16,7 @@ class Explorer:
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rates: dict[bool, float] = {}  # way -> running measured tokens per ms
         self._since, self._gap, self._prefer = 0, explore_every, True
+        self.decisions = 0
 
     def observe(self, way: bool, rate: float) -> None:
         old = self.rates.get(way)
@@ -25,8 +26,13 @@ class Explorer:
         """The faster way once both were measured, else None."""
         return self.rates[True] >= self.rates[False] if len(self.rates) == 2 else None
 
+    def settled_against(self, way: bool) -> bool:
+        """Whether ``way`` kept losing until it is only tried at the longest gap."""
+        return self._prefer != way and self._gap >= self.max_explore_every
+
     def decide(self, prefer: bool) -> bool:
         """``prefer``, or now and then the other way."""
+        self.decisions += 1
         if prefer != self._prefer:
             self._prefer, self._since, self._gap = prefer, 0, self.explore_every
         self._since += 1

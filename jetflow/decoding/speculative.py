@@ -35,9 +35,12 @@ def speculative_stream(
     t0 = time.perf_counter()
     stats = SpeculativeStats(device=target.device)
     generator = params.make_generator(target.device)
-    pre = target.prefill(prompt_ids)
+    # Without features (the head settled as losing, decoding/budget.py) no round may draft.
+    features = adaptive is None or adaptive.collects_features()
+    pre = target.prefill(prompt_ids, return_hidden=features)
     drafter.reset()
-    drafter.extend(pre.hidden)
+    if features:
+        drafter.extend(pre.hidden)
     root = next_token(pre.logits[-1], params, generator)
     prefill_s = time.perf_counter() - t0
     finished = output.add(root)
@@ -54,7 +57,7 @@ def speculative_stream(
             tree = DraftTree.root_only(root)
             stats.round_kinds["plain"] += 1
         elif adaptive is not None:
-            tree = _round_without_draft(adaptive, drafter, root, room, stats)
+            tree = _round_without_draft(adaptive, drafter, root, room, stats, may_draft=features)
         if tree is None:
             stats.round_kinds["drafted"] += 1
             nodes = budget if adaptive is None else adaptive.draft_nodes()
@@ -65,14 +68,15 @@ def speculative_stream(
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
         with stats.timed("verify"):
-            out = target.verify(tree.tokens, tree.parents)
+            out = target.verify(tree.tokens, tree.parents, return_hidden=features)
         with stats.timed("accept"):
             path, bonus = accept_path(tree, out.logits, params, generator)
             if len(tree) > 1:
                 drafter.observe(tree, path)
         with stats.timed("commit"):
             target.commit(path)
-            drafter.extend(out.hidden[path])
+            if features:
+                drafter.extend(out.hidden[path])
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
             adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
@@ -88,16 +92,17 @@ def speculative_stream(
     yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s,
                                        method="jetflow",
                                        stats={"budget": "auto" if adaptive else budget, "width": width,
-                                              **stats.to_dict()})
+                                              "features": features, **stats.to_dict()})
 
 
 def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, room: int,
-                         stats: SpeculativeStats) -> DraftTree | None:
-    """The round's tree when a head forward is not expected to pay: the lookup chain alone (it costs
-    no forward) when it beats a plain step, else the root alone; None when drafting pays or explores."""
+                         stats: SpeculativeStats, may_draft: bool = True) -> DraftTree | None:
+    """The round's tree when a head forward is not expected to pay (or ``may_draft`` is False): the
+    lookup chain alone (it costs no forward) when it beats a plain step, else the root alone; None
+    when drafting pays or explores."""
     with stats.timed("draft"):
         chain = adaptive.lookup_chain(drafter, root, room)
-    if adaptive.should_draft(chain):
+    if may_draft and adaptive.should_draft(chain):
         return None
     stats.round_kinds["plain" if chain is None else "lookup"] += 1
     return DraftTree.root_only(root) if chain is None else chain.tree
