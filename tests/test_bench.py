@@ -134,7 +134,9 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     run = json.loads((tmp_path / "b" / "runs" / "mtbench__jetflow__b8.json").read_text())
     assert [r["turn"] for r in run["records"]] == [0, 1]  # two MT-Bench turns
     assert run["summary"]["mismatches"] == [] and run["summary"]["prompts"] == 1
-    auto = json.loads((tmp_path / "b" / "runs" / "gsm8k__jetflow__bauto.json").read_text())["summary"]
+    auto = json.loads((tmp_path / "b" / "runs" / "gsm8k__jetflow__bauto.json").read_text())
+    assert all(r["features"] in (True, False) for r in auto["records"])  # whether the turn read target features
+    auto = auto["summary"]
     assert auto["mismatches"] == [] and 0 <= auto["mean_tree_size"] <= 256  # 0: plain steps only
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     # the budgets, 5 = chain of block_size - 1, and the curve every report shows

@@ -138,14 +138,15 @@ def test_a_head_settled_as_losing_skips_features_but_every_eighth_request_reprob
     settle_losing(ab)
     assert ab.head_settled_losing()
     assert [ab.collects_features() for _ in range(16)] == ([False] * 7 + [True]) * 2
-    # lookup chains on offer where the head has not yet lost against them: features stay on
+    # a paying lookup chain on offer: features stay on while drafting is preferred over the chain alone
     offered = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
     settle_losing(offered)
-    offered.should_draft(offered.chain_offer(chain_tree([0.95] * 4)))
+    offer = offered.chain_offer(chain_tree([0.95] * 4))
+    offered.head_gain = 50.0  # the head was measured adding many tokens beyond the chain
+    assert offered.should_draft(offer)
     assert not offered.head_settled_losing() and offered.collects_features()
-    # once drafting also kept losing against the chains, they settle too
-    for _ in range(40):
-        offered.should_draft(offered.chain_offer(chain_tree([0.95] * 4)))
+    offered.head_gain = 0.0  # ... or none: the chain alone is preferred, and the head has settled
+    assert not offered.should_draft(offer)
     assert offered.head_settled_losing() and not offered.collects_features()
     # a head that pays never goes featureless
     paying = drafting_head()

@@ -98,12 +98,12 @@ class AdaptiveBudget:
         self._featureless = 0  # requests in a row served without features (the head settled as losing)
 
     def head_settled_losing(self) -> bool:
-        """Whether drafting lost both ways until exploring reached its longest gap: against plain
-        steps, and against lookup chains alone where chains were on offer."""
+        """Whether drafting lost against plain steps until exploring reached its longest gap, and
+        the latest round with a paying lookup chain on offer (if any) preferred the chain alone."""
         against_plain = (self._explore_gap >= self.max_explore_every and self.draft_rate is not None
                          and self.draft_rate < self.plain_rate())
         chains = self._chain_explorer
-        return against_plain and (chains.decisions == 0 or chains.settled_against(True))
+        return against_plain and (chains.decisions == 0 or chains.prefers(False))
 
     def collects_features(self) -> bool:
         """Once per request: whether its forwards return the target features the head reads. False

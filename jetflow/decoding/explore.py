@@ -26,9 +26,9 @@ class Explorer:
         """The faster way once both were measured, else None."""
         return self.rates[True] >= self.rates[False] if len(self.rates) == 2 else None
 
-    def settled_against(self, way: bool) -> bool:
-        """Whether ``way`` kept losing until it is only tried at the longest gap."""
-        return self._prefer != way and self._gap >= self.max_explore_every
+    def prefers(self, way: bool) -> bool:
+        """Whether the latest decision preferred ``way`` (exploring aside)."""
+        return self._prefer == way
 
     def decide(self, prefer: bool) -> bool:
         """``prefer``, or now and then the other way."""
