@@ -117,6 +117,20 @@ def test_calibration_counts_like_brute_force():
     assert LookupCalibration().rates(1, 4) == pytest.approx([no_evidence] * 4)
 
 
+def test_a_windowed_calibration_follows_a_change_of_text():
+    """Chains that were always followed stop being followed: a windowed estimate falls with the
+    last window's evidence, the plain sums only slowly."""
+    windowed, summed = LookupCalibration(window=50), LookupCalibration()
+    for cal in (windowed, summed):
+        for _ in range(1000):
+            cal.observe(2, 1, 1)  # followed
+        for _ in range(100):
+            cal.observe(2, 1, 0)  # not followed
+    assert windowed.trials[2, 1] == pytest.approx(50)
+    assert windowed.hits[2, 1] / windowed.trials[2, 1] == pytest.approx(50 * (1 - 1 / 51) ** 100 / 50, rel=1e-6)
+    assert windowed.rates(2, 1)[0] < 0.2 < 0.85 < summed.rates(2, 1)[0]
+
+
 @pytest.fixture(scope="module")
 def target(tokenizer):
     return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])

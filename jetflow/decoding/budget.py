@@ -28,7 +28,8 @@ many tokens the head adds beyond the chain (measured exactly, see ``observe``), 
 with the draft and the bigger verify, decides, and the other kind of round is still tried now and
 then. On copy-heavy requests most rounds then verify the chain alone and save the head's forward.
 
-Where the head has settled into losing both choices, a request does not even collect the target
+Where drafting has settled as losing against plain steps (exploring at its longest gap) and the
+latest paying lookup chain was preferred over drafting, a request does not even collect the target
 features the head reads (``collects_features``): on llama.cpp copying them out of every forward
 costs about 5% of a one-token step, paid for drafts that never come. Such requests decode plainly
 and with lookup chains alone; every ``reprobe_every``-th one collects features and explores as
