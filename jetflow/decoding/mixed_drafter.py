@@ -45,8 +45,9 @@ class LookupCalibration:
     ``window``: a cell's counts are scaled down so that its trials never exceed it, which keeps the
     estimate a running one. A decoder serves a stream of requests whose text changes (code, then
     math): counts summed since the start would take hundreds of rounds to notice that chains no
-    longer pay (seen: `auto` on llama.cpp at 0.85x of plain decoding on AIME after four other sets,
-    0.94x on AIME alone). None: plain sums (the offline replay, whose sessions are short)."""
+    longer pay (seen: `auto` on llama.cpp fell to 0.85x of plain llama.cpp on AIME after four other
+    sets; docs/results.md, "Lookup chains priced by a running window"). None: plain sums (the offline
+    replay, whose sessions are short)."""
 
     def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_CHAIN, prior: float = 2.0,
                  window: float | None = None):
