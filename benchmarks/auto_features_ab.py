@@ -21,8 +21,6 @@ import json
 import time
 
 import jetflow
-from jetflow.decoding.budget import AdaptiveBudget
-from jetflow.decoding.costs import CostCurve, cached_costs
 from jetflow.eval.datasets import load_eval_set
 
 
@@ -39,8 +37,7 @@ def main() -> int:
     shipped = jetflow.JetFlow.from_pretrained(backend=args.backend, n_threads=args.threads, drafter="auto")
     target = shipped.target
     always = jetflow.JetFlow.from_pretrained(target, drafter="auto")  # same target, its own budget state
-    always._adaptive = AdaptiveBudget(CostCurve(cached_costs(target, always.drafter, always.cost_cache,
-                                                             width=always.width)), reprobe_every=1)
+    always.adaptive_budget().reprobe_every = 1  # every request collects features
     methods = {"ar": lambda p: jetflow.generate(target, p, max_new_tokens=args.max_new_tokens),
                "auto_features": lambda p: always.generate(p, budget="auto", max_new_tokens=args.max_new_tokens),
                "auto": lambda p: shipped.generate(p, budget="auto", max_new_tokens=args.max_new_tokens)}

@@ -127,8 +127,8 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         out["accept_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         out["per_depth_acceptance"] = [sum(a - 1 >= d for a in lengths) / len(lengths)
                                        for d in range(1, max(lengths))]
-    if any(r.get("features") is False for r in records):  # turns served without the head (decoding/budget.py)
-        out["turns_without_features"] = sum(r.get("features") is False for r in records)
+    if without := sum(r.get("features") is False for r in records):  # turns served without the head (decoding/budget.py)
+        out["turns_without_features"] = without
     sized = [r for r in records if r.get("mean_tree_size") is not None]
     if sized and rounds:  # draft nodes verified per round (the chosen budget under 'auto')
         out["mean_tree_size"] = sum(r["mean_tree_size"] * r["rounds"] for r in sized) / rounds

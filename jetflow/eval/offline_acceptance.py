@@ -216,9 +216,10 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
     replay the path-conditioned second pass (an int N: N passes, as decoding's ``refine=N``; None:
     when decoding would run it, ``config.path_refine``); only for heads that shift tokens. The chain
-    stays the first pass's. ``lookup``: the trees hold the prompt-lookup chain too (decoding's default; only where decoding puts the rounds), its calibration
-    fresh per sequence as for a new request; with ``lookup_session`` its counts carry over from one
-    sequence to the next, as when one ``JetFlow`` object answers them in order. ``calibrated``:
+    stays the first pass's. ``lookup``: the trees hold the prompt-lookup chain too (decoding's
+    default; only where decoding puts the rounds), its calibration fresh per sequence as for a new
+    request; with ``lookup_session`` its counts carry over from one sequence to the next, as when
+    one ``JetFlow`` object answers them in order. ``calibrated``:
     build the trees with the head's tree calibration when it has one (as decoding does)."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
