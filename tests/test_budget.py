@@ -271,3 +271,48 @@ def test_measured_verify_times_rescale_the_cached_curve():
     assert ab.verify_cost(0) == pytest.approx(20.0)
     ab.observe(chain, [0], verify_ms=210.0)  # one disturbed measurement moves the ratio by 1/20 of it
     assert ab.verify_cost(4) == pytest.approx(21.0 + (210.0 - 21.0) / 20)
+
+
+def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh():
+    """lookup_chain prices a chain once per (calibration state, match length, length) until costs
+    move (a tree verified, or 16 plain steps). Here plain steps cost the same every time, so every
+    offer must equal chain_offer on the chain's full tree, round after round."""
+    from jetflow.decoding.mixed_drafter import MixedDrafter
+
+    class History:
+        token_ids: list[int] = []
+
+    class Primary:
+        head, block_size, int8 = None, 8, False
+
+        def reset(self):
+            pass
+
+        def observe(self, tree, path):
+            pass
+
+    rng = __import__("random").Random(0)
+    history = History()
+    drafter = MixedDrafter(Primary(), history)
+    ab = AdaptiveBudget(curve(per_node_ms=0.5), max_budget=64)
+    fresh = AdaptiveBudget(curve(per_node_ms=0.5), max_budget=64)
+    history.token_ids = [rng.randrange(6) for _ in range(40)]
+    offers = 0
+    for step in range(300):
+        root = rng.randrange(6)
+        offer = ab.lookup_chain(drafter, root, room=50)
+        proposal = drafter.propose_lookup(root, 50)
+        want = fresh.chain_offer(proposal.tree(drafter.max_draft)) if proposal is not None else None
+        assert (offer is None) == (want is None), step
+        if offer is not None:
+            offers += 1
+            assert offer.tree.tokens == want.tree.tokens and offer.expected == pytest.approx(want.expected)
+            assert offer.cost_ms == pytest.approx(want.cost_ms)
+        tree = offer.tree if offer is not None else DraftTree.root_only(root)
+        path = list(range(min(len(tree), rng.randrange(1, 4))))
+        drafter.observe(tree, path)  # the lookup's counts change only when a chain was verified
+        ms = 10.0 + 0.5 * (len(tree) - 1) * rng.uniform(0.5, 2.0)
+        for budget in (ab, fresh):
+            budget.observe(tree, path, other_ms=0.3, verify_ms=ms)
+        history.token_ids = history.token_ids + [root] + [rng.randrange(6) for _ in range(len(path) - 1)]
+    assert offers > 20  # chains both paid and did not

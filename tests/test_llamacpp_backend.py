@@ -149,6 +149,37 @@ def test_cache_after_rounds_matches_fresh_prefill(llama_target, prompt_ids):
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_step_equals_extend_then_argmax(llama_target, prompt_ids, seed):
+    """The plain greedy step (no logits copied out) commits and predicts exactly what extend() and
+    the first maximum of its logits do, after tree rounds too (a side branch accepted leaves tokens
+    to be written again: the step then takes the general path)."""
+    rng = random.Random(seed)
+
+    def run(step):
+        llama_target.prefill(prompt_ids, return_hidden=bool(seed % 2))
+        tokens_out, token = [], 4321
+        for i in range(12):
+            if i % 4 == 3:  # a tree round, with a random path kept
+                parents = random_tree(rng_tree, rng_tree.randrange(2, 10))
+                nodes = [token] + [rng_tree.randrange(100, 40000) for _ in parents[1:]]
+                llama_target.verify(nodes, parents)
+                path = path_to_root(parents, rng_tree.randrange(len(parents)))
+                llama_target.commit(path)
+                token = rng_tree.randrange(100, 40000)
+            token = step(token)
+            tokens_out.append(token)
+        return tokens_out, list(llama_target.token_ids), llama_target.past_len
+
+    rng_tree = random.Random(rng.random())
+    state = rng_tree.getstate()
+    fast = run(llama_target.greedy_step)
+    rng_tree.setstate(state)
+    general = run(lambda t: int(llama_target.extend([t]).logits[-1].numpy().argmax()))
+    assert fast == general
+
+
+@pytest.mark.real
 def test_feature_taps_switch_off_without_changing_logits(llama_target, prompt_ids):
     """Decoding that reads no features runs without the layer-input taps: its logits are the same
     bits, and the next forward that asks for features gets them again."""

@@ -248,3 +248,31 @@ def test_merged_chain_runs_past_plain_lookups_ten_tokens():
     assert drafter.propose(130, 130, 5, 1).chain == list(range(131, 136))
     assert LookupDrafter(history).propose(130, 130, 100, 1).draft == list(range(131, 131 + MAX_DRAFT))
     assert MAX_CHAIN > MAX_DRAFT
+
+
+def test_lookup_index_grown_token_by_token_equals_lookup_match():
+    from jetflow.decoding.lookup_drafter import LookupIndex
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        max_ngram, vocab = int(rng.integers(1, 5)), int(rng.integers(2, 6))
+        index, committed = LookupIndex(max_ngram), []
+        for _ in range(int(rng.integers(1, 40))):
+            committed += rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()  # a round commits 1-3
+            index.sync(committed)
+            anchor, max_draft = int(rng.integers(0, vocab)), int(rng.integers(0, 8))
+            want = lookup_match(np.array(committed + [anchor]), max_ngram, max_draft) if max_draft else \
+                (lookup_match(np.array(committed + [anchor]), max_ngram, 1)[0], [])
+            assert index.match(anchor, max_draft) == want, (committed, anchor, max_ngram, max_draft)
+
+
+def test_lookup_index_starts_again_on_another_sequence():
+    from jetflow.decoding.lookup_drafter import LookupIndex
+
+    index = LookupIndex()
+    index.sync([5, 6, 7, 5, 6])
+    assert index.match(7, 4) == (3, [5, 6, 7])
+    index.sync([1, 2, 3])  # shorter: a new request
+    assert index.tokens == [1, 2, 3] and index.match(7, 4) == (0, [])
+    index.sync([9, 2, 8, 4])  # longer, but another token at the last one synced
+    assert index.tokens == [9, 2, 8, 4] and index.match(2, 2) == (1, [8, 4])

@@ -101,3 +101,19 @@ def test_bad_output_options(tokenizer):
         stream_for(tokenizer, max_new_tokens=0)
     with pytest.raises(InvalidRequestError, match="stop strings"):
         stream_for(tokenizer, stop_strings=[""])
+
+
+def test_fast_decode_equals_the_tokenizers_decode(tokenizer):
+    from jetflow.decoding.output import _fast_decode
+
+    fast = _fast_decode(tokenizer)
+    assert fast != tokenizer.decode  # this fast tokenizer cleans up no spaces: the Rust decode is used
+    rng = torch.Generator().manual_seed(0)
+    for n in range(0, 12):
+        ids = torch.randint(0, len(tokenizer), (n,), generator=rng).tolist()  # specials and partial UTF-8 too
+        assert fast(ids) == tokenizer.decode(ids), ids
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert _fast_decode(tokenizer) == tokenizer.decode  # it would change the text: the wrapper decides
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

@@ -18,16 +18,18 @@ def autoregressive_stream(
     """Yield text deltas as tokens are produced, then the final :class:`GenerationResult`."""
     t0 = time.perf_counter()
     generator = params.make_generator(target.device)
-    logits = target.prefill(prompt_ids, return_hidden=False).logits[-1]
+    token = next_token(target.prefill(prompt_ids, return_hidden=False).logits[-1], params, generator)
     prefill_s = time.perf_counter() - t0
     while True:
-        token = next_token(logits, params, generator)
         if output.add(token) or target.past_len >= target.max_context:
             output.finish("length")
             break
         if delta := output.drain():
             yield delta
-        logits = target.extend([token]).logits[-1]
+        if params.greedy:  # the runtime's own plain step: no logits copied out
+            token = target.greedy_step(token)
+        else:
+            token = next_token(target.extend([token]).logits[-1], params, generator)
     if delta := output.drain():
         yield delta
     yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s, method="ar")

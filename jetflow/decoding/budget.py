@@ -97,6 +97,7 @@ class AdaptiveBudget:
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
         self.reprobe_every = reprobe_every
         self._featureless = 0  # requests in a row served without features (the head settled as losing)
+        self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     def head_settled_losing(self) -> bool:
         """Whether drafting lost against plain steps until exploring reached its longest gap, and
@@ -130,6 +131,8 @@ class AdaptiveBudget:
 
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
+        if k or self._scale_count[0] % 16 == 0:  # tree costs moved, or 16 plain steps since the last
+            self._chain_prices.clear()
         self._scale_count[k] += 1
         ratio = ms / self._curve[min(nodes, self.max_budget)]
         self._scale[k] += (ratio - self._scale[k]) / min(self._scale_count[k], 20)  # mean, then running
@@ -138,26 +141,46 @@ class AdaptiveBudget:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
         draft forward (a lookup chain): its prefix that gives the most tokens per ms, or None when
         not even one node beats a plain step."""
-        expected, best = 1.0, None
-        best_rate = self.plain_rate()
-        for n in range(1, min(len(tree) - 1, self.max_budget) + 1):
-            expected += math.exp(tree.scores[n])  # a chain: node n is on the path with P = exp(score)
-            cost = self.verify_cost(n) + self.overhead_ms
-            if expected / cost > best_rate:
-                best, best_rate = (n, expected, cost), expected / cost
+        best = self._best_chain_prefix(tree.scores)
         if best is None:
             return None
         n, expected, cost = best
         return ChainOffer(tree.prefix(n + 1), expected, cost)
 
+    def _best_chain_prefix(self, scores: list[float]) -> tuple[int, float, float] | None:
+        """(n, expected tokens, cost ms) of the chain prefix of n nodes (scores: cumulative log P of
+        acceptance, root first) with the most tokens per ms, if it beats a plain step."""
+        expected, best = 1.0, None
+        best_rate = self.plain_rate()
+        for n in range(1, min(len(scores) - 1, self.max_budget) + 1):
+            expected += math.exp(scores[n])  # a chain: node n is on the path with P = exp(score)
+            cost = self.verify_cost(n) + self.overhead_ms
+            if expected / cost > best_rate:
+                best, best_rate = (n, expected, cost), expected / cost
+        return best
+
     def lookup_chain(self, drafter, root: int, room: int) -> ChainOffer | None:
         """The lookup chain that a drafter with prompt lookup offers this round without a head
         forward, cut to the size that pays best; None when there is none, or when not even one node
-        of it beats a plain step."""
+        of it beats a plain step. Runs every round of ``auto``, so the chain's tree is built only
+        when it pays."""
         if not isinstance(drafter, MixedDrafter):
             return None
         chain = drafter.propose_lookup(root, room)
-        return self.chain_offer(chain.tree(drafter.max_draft)) if chain is not None else None
+        if chain is None:
+            return None
+        # Most rounds offer a chain that does not pay, and its price depends only on the lookup's
+        # calibration, its match length and its length: priced once until the costs move.
+        key = chain.scores_key
+        best = self._chain_prices.get(key, ()) if key is not None else ()
+        if best == ():
+            best = self._best_chain_prefix(chain.scores())
+            if key is not None:
+                self._chain_prices[key] = best
+        if best is None:
+            return None
+        n, expected, cost = best
+        return ChainOffer(chain.tree(n), expected, cost)
 
     def should_draft(self, chain: ChainOffer | None = None) -> bool:
         """False when drafting is expected to be slower than a plain step, or than verifying the

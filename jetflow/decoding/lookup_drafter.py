@@ -52,6 +52,47 @@ def lookup_match(history: np.ndarray, max_ngram: int = MAX_NGRAM, max_draft: int
     return n, history[start:start + max_draft].tolist()
 
 
+class LookupIndex:
+    """``lookup_match`` for a growing context, by dict lookups: the latest end position of every
+    n-gram (n <= max_ngram) of the committed tokens, updated as they grow. A drafter with lookup
+    asks every round, and scanning the whole context each time costs a plain llama.cpp step ~1%
+    at a few hundred tokens (tests check it against ``lookup_match``)."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self._clear()
+
+    def _clear(self) -> None:
+        self.tokens: list[int] = []
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram + 1)]
+
+    def sync(self, token_ids: list[int]) -> None:
+        """Follow the target's committed tokens: append what is new, or start again when they are
+        another sequence (shorter, or different where they overlap at the last synced token)."""
+        n = len(self.tokens)
+        if len(token_ids) < n or (n and token_ids[n - 1] != self.tokens[-1]):
+            self._clear()
+            n = 0
+        tokens, latest = self.tokens, self._latest
+        for t in token_ids[n:]:
+            tokens.append(int(t))
+            end = len(tokens) - 1
+            for k in range(1, min(self.max_ngram, end + 1) + 1):
+                latest[k][tuple(tokens[end - k + 1:])] = end
+
+    def match(self, anchor: int, max_draft: int = MAX_DRAFT) -> tuple[int, list[int]]:
+        """``lookup_match(tokens + [anchor], max_ngram, max_draft)``."""
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            end = self._latest[n].get((*tokens[len(tokens) - n + 1:], anchor))
+            if end is not None:
+                draft = tokens[end + 1:end + 1 + max_draft]
+                if 0 < max_draft and end + 1 + max_draft > len(tokens):
+                    draft.append(anchor)  # the continuation reaches the anchor itself
+                return n, draft
+        return 0, []
+
+
 class LookupDrafter:
     """The :class:`jetflow.decoding.drafter.Drafter` interface over the target's committed tokens."""
 
@@ -60,9 +101,10 @@ class LookupDrafter:
     def __init__(self, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
         self.target, self.max_ngram, self.max_draft = target, max_ngram, max_draft
         self.block_size = max_draft + 1
+        self.index = LookupIndex(max_ngram)
 
     def reset(self) -> None:
-        pass
+        self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor | None) -> None:
         pass  # reads the target's committed tokens directly
@@ -71,6 +113,5 @@ class LookupDrafter:
         pass
 
     def propose(self, anchor: int, position: int, room: int, width: int, max_nodes: int | None = None) -> ChainProposal:
-        history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
-        draft = lookup_continuation(history, self.max_ngram, min(self.max_draft, room))
-        return ChainProposal(int(anchor), draft)
+        self.index.sync(self.target.token_ids)
+        return ChainProposal(int(anchor), self.index.match(int(anchor), min(self.max_draft, room))[1])

@@ -13,12 +13,13 @@ tree is verified as losslessly as any other; q only decides which nodes the budg
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import torch
 
-from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
+from jetflow.decoding.lookup_drafter import MAX_NGRAM, LookupIndex
 from jetflow.tree.build import DraftTree
 
 # Longer than plain lookup's 10 tokens: a merged chain only gets the nodes its calibrated value buys,
@@ -54,21 +55,27 @@ class LookupCalibration:
         self.prior, self.window = prior, window
         self.hits = np.zeros((max_ngram + 1, max_depth + 1))
         self.trials = np.zeros((max_ngram + 1, max_depth + 1))
+        self._rates: dict[int, np.ndarray] = {}  # per match length, every depth; cleared by observe
+        self.version = 0  # counts observe() calls: rates() may differ once it changes
 
     def rates(self, ngram: int, depth: int) -> np.ndarray:
         """Each depth's estimate less one standard error. Chains are taken where their estimate is
         high, so an unbiased estimate would be too high for the chains taken (and where lookup
         barely pays, as on llama.cpp for text that copies little, that costs speed); with more
         trials the margin shrinks."""
-        out, previous = np.empty(depth), 0.5
-        for d in range(1, depth + 1):
-            n = self.trials[ngram, d] + self.prior
-            previous = (self.hits[ngram, d] + self.prior * previous) / n
-            out[d - 1] = max(0.0, previous - math.sqrt(previous * (1 - previous) / n))
-        return out
+        if ngram not in self._rates:  # asked every round, changed only by rounds that verified a chain
+            out, previous = np.empty(self.trials.shape[1] - 1), 0.5
+            for d in range(1, out.size + 1):
+                n = self.trials[ngram, d] + self.prior
+                previous = (self.hits[ngram, d] + self.prior * previous) / n
+                out[d - 1] = max(0.0, previous - math.sqrt(previous * (1 - previous) / n))
+            self._rates[ngram] = out
+        return self._rates[ngram][:depth].copy()
 
     def observe(self, ngram: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
+        self._rates.pop(ngram, None)
+        self.version += 1
         for d in range(1, min(verified, accepted + 1) + 1):
             self.trials[ngram, d] += 1
             self.hits[ngram, d] += d <= accepted
@@ -79,11 +86,20 @@ class LookupCalibration:
 
 
 class MixedProposal:
-    def __init__(self, primary, root: int, chain: list[int], chain_q: np.ndarray):
+    def __init__(self, primary, root: int, chain: list[int], chain_q: np.ndarray, scores_key=None):
         """``chain_q[d-1]``: estimated P(chain token d accepted | token d-1 accepted). ``primary``:
-        the head's proposal, or None for the lookup chain alone (a round without a head forward)."""
+        the head's proposal, or None for the lookup chain alone (a round without a head forward).
+        ``scores_key``: equal keys promise equal ``chain_q`` (what a budget may cache its price on)."""
         self.primary, self.root, self.chain = primary, root, chain
-        self.chain_logq = np.log(np.clip(chain_q, 1e-9, 1.0)).tolist()
+        self._chain_q, self.scores_key = chain_q, scores_key
+
+    @functools.cached_property
+    def chain_logq(self) -> list[float]:
+        return np.log(np.clip(self._chain_q, 1e-9, 1.0)).tolist()
+
+    def scores(self) -> list[float]:
+        """The lookup chain alone as a tree's scores: root 0, then cumulative log P of acceptance."""
+        return [0.0, *np.cumsum(self.chain_logq).tolist()]
 
     def tree(self, budget: int) -> DraftTree:
         """``budget`` nodes (fewer if both run out), parents before children, taken best first."""
@@ -121,6 +137,7 @@ class MixedDrafter:
         self.max_ngram, self.max_draft = max_ngram, max_draft
         self.calibration = LookupCalibration(max_ngram, max_draft, window=LOOKUP_WINDOW)
         self._last: tuple[int, list[int]] | None = None  # (match length, chain) of the last proposal
+        self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
         """The same for another sequence: the head drafter forked, lookup counts of its own."""
@@ -129,6 +146,7 @@ class MixedDrafter:
     def reset(self) -> None:
         self.primary.reset()
         self._last = None
+        self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor) -> None:
         self.primary.extend(features)
@@ -148,10 +166,12 @@ class MixedDrafter:
         return proposal if proposal.chain else None
 
     def _with_lookup(self, anchor: int, room: int, primary) -> MixedProposal:
-        history = np.asarray(self.target.token_ids + [int(anchor)], dtype=np.int64)
-        ngram, chain = lookup_match(history, self.max_ngram, min(self.max_draft, room))
+        self.index.sync(self.target.token_ids)
+        ngram, chain = self.index.match(int(anchor), min(self.max_draft, room))
         self._last = (ngram, chain) if chain else None
-        return MixedProposal(primary, int(anchor), chain, self.calibration.rates(ngram, len(chain)))
+        cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
+        return MixedProposal(primary, int(anchor), chain, cal.rates(ngram, len(chain)),
+                             scores_key=(id(cal), cal.version, ngram, len(chain)))
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Count how far the target followed the lookup chain, where the verified tree held it."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import torch
+
 from jetflow.decoding.acceptance import accept_path
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.drafter import Drafter
@@ -67,16 +69,7 @@ def speculative_stream(
                 tree = proposal.tree(nodes)
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
-        with stats.timed("verify"):
-            out = target.verify(tree.tokens, tree.parents, return_hidden=features)
-        with stats.timed("accept"):
-            path, bonus = accept_path(tree, out.logits, params, generator)
-            if len(tree) > 1:
-                drafter.observe(tree, path)
-        with stats.timed("commit"):
-            target.commit(path)
-            if features:
-                drafter.extend(out.hidden[path])
+        path, bonus = _verify_round(target, drafter, tree, params, generator, features, stats)
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
             adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
@@ -93,6 +86,25 @@ def speculative_stream(
                                        method="jetflow",
                                        stats={"budget": "auto" if adaptive else budget, "width": width,
                                               "features": features, **stats.to_dict()})
+
+
+def _verify_round(target: TargetBackend, drafter: Drafter, tree: DraftTree, params: SamplingParams,
+                  generator: torch.Generator | None, features: bool, stats: SpeculativeStats) -> tuple[list[int], int]:
+    """Verify ``tree`` in one target forward, accept a path and commit it: (path, bonus token)."""
+    if len(tree) == 1 and params.greedy and not features:
+        with stats.timed("verify"):  # a plain greedy step: the runtime's own, no logits copied out
+            return [0], target.greedy_step(tree.tokens[0])
+    with stats.timed("verify"):
+        out = target.verify(tree.tokens, tree.parents, return_hidden=features)
+    with stats.timed("accept"):
+        path, bonus = accept_path(tree, out.logits, params, generator)
+        if len(tree) > 1:
+            drafter.observe(tree, path)
+    with stats.timed("commit"):
+        target.commit(path)
+        if features:
+            drafter.extend(out.hidden[path])
+    return path, bonus
 
 
 def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, room: int,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -19,16 +18,14 @@ class SpeculativeStats:
     # head forward) or "plain" (the root alone)
     round_kinds: Counter = field(default_factory=Counter)
     device: torch.device | None = None
+    _timers: dict = field(default_factory=dict, repr=False)
 
-    @contextmanager
-    def timed(self, phase: str):
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t = time.perf_counter()
-        yield
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds[phase] += time.perf_counter() - t
+    def timed(self, phase: str) -> "_PhaseTimer":
+        """``with stats.timed("verify"): ...`` adds the block's seconds to ``seconds[phase]``."""
+        timer = self._timers.get(phase)
+        if timer is None:  # one reusable timer per phase: a plain llama.cpp round has a few of them
+            timer = self._timers[phase] = _PhaseTimer(self, phase)
+        return timer
 
     @property
     def rounds(self) -> int:
@@ -55,3 +52,22 @@ class SpeculativeStats:
             "time_split": dict(self.seconds),
             "round_kinds": dict(self.round_kinds),
         }
+
+
+class _PhaseTimer:
+    """Times one phase; on CUDA it synchronizes first, so the phase's kernels are counted in it."""
+
+    def __init__(self, stats: SpeculativeStats, phase: str):
+        self.seconds, self.phase = stats.seconds, phase
+        self.cuda = stats.device if stats.device is not None and stats.device.type == "cuda" else None
+
+    def __enter__(self):
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+        self.seconds[self.phase] += time.perf_counter() - self.t0
+        return False

@@ -78,6 +78,11 @@ class TargetBackend(Protocol):
 
     def extend(self, tokens, return_hidden: bool = False) -> TargetOutput: ...
 
+    def greedy_step(self, token: int) -> int:
+        """``extend([token])`` and the argmax of its logits (first maximum), no features: the plain
+        greedy step, which a runtime may run without materializing the logits."""
+        ...
+
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                        generator: torch.Generator | None = None) -> list[list[int]]:
         """Answers to a batch of prompts, outside the decoding state (regeneration)."""

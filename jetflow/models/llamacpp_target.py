@@ -219,6 +219,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._batch = _Batch(lib, self.n_batch, MAX_SEQ)
         self._shape = gguf_shape(self.gguf, self.vocab_size)
         self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
+        self._row, self._row_address = None, None  # see _logits_row
         self._taps_enabled: set[int] = set()
         self._taps_on = True
         self._stop_ids = self._eog_ids()
@@ -449,6 +450,36 @@ class LlamaCppTarget(OwnsLlamaContext):
         out = self.verify(ids, chain_parents(ids.numel()), return_hidden=return_hidden)
         self.commit(range(ids.numel()))
         return out
+
+    def greedy_step(self, token: int) -> int:
+        """Commit ``token`` and return the target's greedy next token: ``extend([token])`` and the
+        argmax of its logits, without copying the 49k-float row out or any tree bookkeeping. A plain
+        step's Python time decides whether JetFlow's plain loop keeps up with llama-cpp-python's
+        (benchmarks/llamacpp_step_overhead.py)."""
+        token = int(token)
+        if self._redo or self._pending_parents:  # the general path handles those
+            return int(self.extend([token]).logits[-1].numpy().argmax())
+        if not 0 <= token < self.vocab_size:
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
+        if self.past_len + 1 > self.max_context:
+            raise InvalidRequestError(f"context of {self.max_context} tokens is full")
+        self._compute_taps(False)
+        batch = self._batch
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.seq_ids[0, 0], batch.logits[0] = token, self.past_len, 1, 0, 1
+        batch.struct.n_tokens = 1
+        self._decode("step")
+        self.past_len += 1
+        self.token_ids.append(token)
+        return int(self._logits_row().argmax())
+
+    def _logits_row(self) -> np.ndarray:
+        """The first output row of the last decode, as a numpy view of llama.cpp's buffer (read at
+        once: the next decode overwrites it). The view is rebuilt only when the buffer moves."""
+        address = _address(self._lib.llama_get_logits(self._ctx))
+        if address != self._row_address:
+            self._row = np.frombuffer((ctypes.c_float * self.vocab_size).from_address(address), np.float32)
+            self._row_address = address
+        return self._row
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                        generator: torch.Generator | None = None, slots: int = 16) -> list[list[int]]:

@@ -367,3 +367,8 @@ class TargetModel:
         out = self.verify(ids, chain_parents(ids.numel()), return_hidden=return_hidden)
         self.commit(range(ids.numel()))
         return out
+
+    def greedy_step(self, token: int) -> int:
+        """Commit ``token`` and return the target's greedy next token (the first maximum, as
+        ``decoding.sampling.next_token``)."""
+        return int(self.extend([token]).logits[-1].argmax())

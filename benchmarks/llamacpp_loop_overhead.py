@@ -1,0 +1,107 @@
+"""Whole requests on the llama.cpp backend: how much of each method's time is llama.cpp's decoding,
+and how much is the Python around it.
+
+Three methods on the same GGUF, timed prompt by prompt in a rotating order (so that drift in the
+machine's speed falls on all alike), with every ``llama_decode`` call timed as well:
+
+* ``llama-ar``: llama-cpp-python's own greedy loop (``Llama.generate``), the reference;
+* ``ar``: JetFlow's plain loop;
+* ``auto``: the default decoder (head + lookup) at ``--budget auto``.
+
+Greedy, first turns only; outputs are checked against ``llama-ar``'s. On a 2-core CPU a one-token
+decode is ~10-15 ms and the three loops run the same decodes, so the Python time per token is what
+separates them.
+
+    python benchmarks/llamacpp_loop_overhead.py --datasets mtbench,gsm8k --limit 20 --out loop.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jetflow
+from jetflow.decoding.prompt import encode_prompt
+from jetflow.eval.datasets import load_eval_set
+from jetflow.eval.llama_reference import llama_greedy, open_llama
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--datasets", default="mtbench,gsm8k")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    decoder = jetflow.JetFlow.from_pretrained(backend="llamacpp", n_threads=args.threads, drafter="auto")
+    target = decoder.target
+    llm = open_llama(target.gguf, n_ctx=target.max_context, n_threads=args.threads, flash_attn=target.flash_attn)
+    stop = target.stop_token_ids()
+
+    # Both loops call llama_decode through the same binding module: time it there.
+    import llama_cpp._internals as internals
+
+    decode = {"s": 0.0, "calls": 0}
+    raw_decode = internals.llama_cpp.llama_decode
+
+    def timed_decode(*a):
+        t = time.perf_counter()
+        rc = raw_decode(*a)
+        decode["s"] += time.perf_counter() - t
+        decode["calls"] += 1
+        return rc
+
+    internals.llama_cpp.llama_decode = timed_decode
+
+    def llama_ar(prompt, ids):
+        tokens, _, _ = llama_greedy(llm, ids, args.max_new_tokens, stop)
+        return tokens
+
+    methods = {"llama-ar": llama_ar,
+               "ar": lambda p, ids: jetflow.generate(target, p, max_new_tokens=args.max_new_tokens).token_ids,
+               "auto": lambda p, ids: decoder.generate(p, budget="auto", max_new_tokens=args.max_new_tokens).token_ids}
+    names = list(methods)
+    report = {"command": ["benchmarks/llamacpp_loop_overhead.py", *__import__("sys").argv[1:]],
+              "threads": args.threads, "max_new_tokens": args.max_new_tokens, "sets": {}}
+    for dataset in args.datasets.split(","):
+        prompts = load_eval_set(dataset, args.limit)
+        total = {n: {"tokens": 0, "seconds": 0.0, "decode_s": 0.0, "decode_calls": 0} for n in names}
+        mismatches = []
+        for i, prompt in enumerate(prompts):
+            request = prompt.as_chat()
+            ids = encode_prompt(target.tokenizer, request, prompt.chat)
+            outputs = {}
+            for name in names[i % 3:] + names[:i % 3]:  # rotating order
+                decode["s"], decode["calls"] = 0.0, 0
+                t = time.perf_counter()
+                outputs[name] = methods[name](request, ids)
+                row = total[name]
+                row["seconds"] += time.perf_counter() - t
+                row["tokens"] += len(outputs[name])
+                row["decode_s"] += decode["s"]
+                row["decode_calls"] += decode["calls"]
+            mismatches += [f"{prompt.id}:{n}" for n in names[1:] if outputs[n] != outputs["llama-ar"]]
+        for row in total.values():
+            row["tokens_per_s"] = row["tokens"] / row["seconds"]
+            row["python_ms_per_token"] = 1e3 * (row["seconds"] - row["decode_s"]) / row["tokens"]
+            row["decode_ms_per_call"] = 1e3 * row["decode_s"] / max(1, row["decode_calls"])
+        ref = total["llama-ar"]["tokens_per_s"]
+        report["sets"][dataset] = {"prompts": len(prompts), "methods": total, "mismatches": mismatches,
+                                   "vs_llama_ar": {n: total[n]["tokens_per_s"] / ref for n in names}}
+        for n in names:
+            r = total[n]
+            print(f"{dataset:10s} {n:9s} {r['tokens_per_s']:6.1f} tok/s ({r['tokens_per_s'] / ref:.3f}x)  "
+                  f"decode {r['decode_ms_per_call']:.2f} ms/call  python {r['python_ms_per_token']:.3f} ms/token",
+                  flush=True)
+        print(f"{dataset:10s} outputs differing from llama-ar: {len(mismatches)}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
