@@ -1,5 +1,6 @@
-"""Time prompt lookup's n-gram matching (`lookup_match`), which a drafter with lookup runs every
-round, over random histories of several lengths.
+"""Time prompt lookup's n-gram matching over random histories of several lengths: the stateless
+scan (`lookup_match`, what the offline replay runs) and the incremental index a decoding drafter
+runs every round (`LookupIndex`: one round's sync of a new token plus its match).
 
     python benchmarks/bench_lookup_match.py
 """
@@ -11,7 +12,7 @@ import timeit
 
 import numpy as np
 
-from jetflow.decoding.lookup_drafter import lookup_match
+from jetflow.decoding.lookup_drafter import LookupIndex, lookup_match
 
 
 def main() -> int:
@@ -23,8 +24,23 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for n in (int(x) for x in args.lengths.split(",")):
         history = rng.integers(0, args.vocab, size=n)
-        us = timeit.timeit(lambda: lookup_match(history), number=args.number) / args.number * 1e6
-        print(f"history {n:5d} tokens: {us:7.1f} us per call")
+        scan_us = timeit.timeit(lambda: lookup_match(history), number=args.number) / args.number * 1e6
+        # the index after n - 1 tokens; each timed call syncs one more (restarting it on a copy
+        # would time the build), so the history grows by `number` tokens during the timing
+        ids = history.tolist()
+        index = LookupIndex()
+        index.sync(ids[:-1])
+        grown = iter(args.vocab + np.arange(args.number + 1))  # fresh ids: appended, never a restart
+        tail = ids[:-1]
+
+        def index_round():
+            tail.append(int(next(grown)))
+            index.sync(tail)
+            index.match(ids[-1])
+
+        index_us = timeit.timeit(index_round, number=args.number) / args.number * 1e6
+        print(f"history {n:5d} tokens: lookup_match {scan_us:7.1f} us per call, "
+              f"LookupIndex sync + match {index_us:6.1f} us per round")
     return 0
 
 

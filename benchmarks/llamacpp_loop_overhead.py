@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 
 import jetflow
 from jetflow.decoding.prompt import encode_prompt
@@ -60,9 +61,16 @@ def main() -> int:
         tokens, _, _ = llama_greedy(llm, ids, args.max_new_tokens, stop)
         return tokens
 
+    kinds = Counter()  # auto's rounds by kind (plain / lookup / drafted), for the set being run
+
+    def auto(prompt, ids):
+        result = decoder.generate(prompt, budget="auto", max_new_tokens=args.max_new_tokens)
+        kinds.update(result.stats["round_kinds"])
+        return result.token_ids
+
     methods = {"llama-ar": llama_ar,
                "ar": lambda p, ids: jetflow.generate(target, p, max_new_tokens=args.max_new_tokens).token_ids,
-               "auto": lambda p, ids: decoder.generate(p, budget="auto", max_new_tokens=args.max_new_tokens).token_ids}
+               "auto": auto}
     names = list(methods)
     report = {"command": ["benchmarks/llamacpp_loop_overhead.py", *__import__("sys").argv[1:]],
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "sets": {}}
@@ -70,6 +78,7 @@ def main() -> int:
         prompts = load_eval_set(dataset, args.limit)
         total = {n: {"tokens": 0, "seconds": 0.0, "decode_s": 0.0, "decode_calls": 0} for n in names}
         mismatches = []
+        kinds.clear()
         for i, prompt in enumerate(prompts):
             request = prompt.as_chat()
             ids = encode_prompt(target.tokenizer, request, prompt.chat)
@@ -90,13 +99,15 @@ def main() -> int:
             row["decode_ms_per_call"] = 1e3 * row["decode_s"] / max(1, row["decode_calls"])
         ref = total["llama-ar"]["tokens_per_s"]
         report["sets"][dataset] = {"prompts": len(prompts), "methods": total, "mismatches": mismatches,
+                                   "auto_round_kinds": dict(kinds),
                                    "vs_llama_ar": {n: total[n]["tokens_per_s"] / ref for n in names}}
         for n in names:
             r = total[n]
             print(f"{dataset:10s} {n:9s} {r['tokens_per_s']:6.1f} tok/s ({r['tokens_per_s'] / ref:.3f}x)  "
                   f"decode {r['decode_ms_per_call']:.2f} ms/call  python {r['python_ms_per_token']:.3f} ms/token",
                   flush=True)
-        print(f"{dataset:10s} outputs differing from llama-ar: {len(mismatches)}", flush=True)
+        print(f"{dataset:10s} outputs differing from llama-ar: {len(mismatches)}; auto's rounds: {dict(kinds)}",
+              flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

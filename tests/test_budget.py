@@ -132,12 +132,21 @@ def settle_losing(ab: AdaptiveBudget) -> None:
             ab.choose(build_tree(lp, 5, 64, 7))
 
 
-def test_a_head_settled_as_losing_skips_features_but_every_eighth_request_reprobes():
+def test_a_head_settled_as_losing_skips_features_but_reprobes_at_doubling_gaps():
     ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
     assert not ab.head_settled_losing() and ab.collects_features()  # no evidence yet
     settle_losing(ab)
     assert ab.head_settled_losing()
-    assert [ab.collects_features() for _ in range(16)] == ([False] * 7 + [True]) * 2
+    # re-probes after 8, 16, 32, 64 and then every 64 requests while each leaves the head losing
+    pattern = [ab.collects_features() for _ in range(8 + 16 + 32 + 64 + 64)]
+    assert [i + 1 for i, p in enumerate(pattern) if p] == [8, 24, 56, 120, 184]
+    # a re-probe that finds the head paying starts over: features on, and the next settling
+    # re-probes after 8 requests again
+    draft_rate = ab.draft_rate
+    ab.draft_rate = 10 * ab.plain_rate()
+    assert not ab.head_settled_losing() and ab.collects_features()
+    ab.draft_rate = draft_rate
+    assert ab.head_settled_losing() and [ab.collects_features() for _ in range(8)] == [False] * 7 + [True]
     # a paying lookup chain on offer: features stay on while drafting is preferred over the chain alone
     offered = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
     settle_losing(offered)

@@ -33,7 +33,10 @@ latest paying lookup chain was preferred over drafting, a request does not even 
 features the head reads (``collects_features``): on llama.cpp copying them out of every forward
 costs about 5% of a one-token step, paid for drafts that never come. Such requests decode plainly
 and with lookup chains alone; every ``reprobe_every``-th one collects features and explores as
-before, so a head that starts to pay (other prompts, a less loaded machine) is found again.
+before, so a head that starts to pay (other prompts, a less loaded machine) is found again. Each
+such re-probe that finds the head still losing doubles the gap to the next (up to
+``max_reprobe_every`` requests), as exploring does within requests: a long-running server on a
+machine where the head never pays stops paying for re-probes too.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class ChainOffer:
 class AdaptiveBudget:
     def __init__(self, costs: CostCurve, max_budget: int = 256, min_budget: int = 1, bins: int = 10,
                  max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8,
-                 max_explore_every: int = 64, reprobe_every: int = 8):
+                 max_explore_every: int = 64, reprobe_every: int = 8, max_reprobe_every: int = 64):
         self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
         self.bins, self.max_depth = bins, max_depth
         mids = [(b + 0.5) / bins for b in range(bins)]
@@ -95,8 +98,10 @@ class AdaptiveBudget:
         self._offer: ChainOffer | None = None  # this round's paying chain, when the round drafted
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
-        self.reprobe_every = reprobe_every
+        self.reprobe_every, self.max_reprobe_every = reprobe_every, max_reprobe_every
         self._featureless = 0  # requests in a row served without features (the head settled as losing)
+        self._reprobe_doublings = 0  # re-probes in a row that found the head still losing
+        self._reprobing = False  # the latest request collected features although the head had settled
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     def head_settled_losing(self) -> bool:
@@ -109,12 +114,23 @@ class AdaptiveBudget:
 
     def collects_features(self) -> bool:
         """Once per request: whether its forwards return the target features the head reads. False
-        while the head has settled as losing, except every ``reprobe_every``-th request."""
-        if not self.head_settled_losing() or self._featureless + 1 >= self.reprobe_every:
-            self._featureless = 0
+        while the head has settled as losing, except for re-probes: every ``reprobe_every``-th
+        request, the gap doubling after each re-probe that leaves the head losing."""
+        if not self.head_settled_losing():
+            self._featureless, self._reprobe_doublings, self._reprobing = 0, 0, False
+            return True
+        if self._reprobing:  # the latest re-probe left the head losing
+            self._reprobe_doublings += 1
+            self._reprobing = False
+        if self._featureless + 1 >= self.reprobe_gap():
+            self._featureless, self._reprobing = 0, True
             return True
         self._featureless += 1
         return False
+
+    def reprobe_gap(self) -> int:
+        """Requests from one re-probe to the next while the head has settled as losing."""
+        return min(self.reprobe_every << self._reprobe_doublings, max(self.reprobe_every, self.max_reprobe_every))
 
     def draft_nodes(self) -> int:
         """How many nodes to draft this round: twice the largest recent choice (so the choice can
