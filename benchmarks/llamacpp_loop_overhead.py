@@ -10,7 +10,9 @@ machine's speed falls on all alike), with every ``llama_decode`` call timed as w
 
 Greedy, first turns only; outputs are checked against ``llama-ar``'s. On a 2-core CPU a one-token
 decode is ~10-15 ms and the three loops run the same decodes, so the Python time per token is what
-separates them.
+separates them. Each set is also summed over the prompts whose ``auto`` request ran without the
+head's features (the head settled as losing), which isolates the plain and lookup rounds from the
+requests that tap features and explore drafts.
 
     python benchmarks/llamacpp_loop_overhead.py --datasets mtbench,gsm8k --limit 20 --out loop.json
 """
@@ -57,55 +59,68 @@ def main() -> int:
 
     internals.llama_cpp.llama_decode = timed_decode
 
-    def llama_ar(prompt, ids):
+    def llama_ar(prompt, ids, chat):
         tokens, _, _ = llama_greedy(llm, ids, args.max_new_tokens, stop)
         return tokens
 
     kinds = Counter()  # auto's rounds by kind (plain / lookup / drafted), for the set being run
+    features = []  # whether auto's latest request collected the head's features
 
-    def auto(prompt, ids):
-        result = decoder.generate(prompt, budget="auto", max_new_tokens=args.max_new_tokens)
+    def auto(prompt, ids, chat):
+        result = decoder.generate(prompt, budget="auto", max_new_tokens=args.max_new_tokens, chat=chat)
         kinds.update(result.stats["round_kinds"])
+        features[:] = [result.stats["features"]]
         return result.token_ids
 
     methods = {"llama-ar": llama_ar,
-               "ar": lambda p, ids: jetflow.generate(target, p, max_new_tokens=args.max_new_tokens).token_ids,
+               "ar": lambda p, ids, chat: jetflow.generate(target, p, max_new_tokens=args.max_new_tokens,
+                                                           chat=chat).token_ids,
                "auto": auto}
     names = list(methods)
     report = {"command": ["benchmarks/llamacpp_loop_overhead.py", *__import__("sys").argv[1:]],
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "sets": {}}
     for dataset in args.datasets.split(","):
         prompts = load_eval_set(dataset, args.limit)
-        total = {n: {"tokens": 0, "seconds": 0.0, "decode_s": 0.0, "decode_calls": 0} for n in names}
-        mismatches = []
+        # all prompts, and the prompts whose auto request ran without features (once the head has
+        # settled as losing: no taps, no head, only plain and lookup rounds)
+        total, featureless = ({n: dict.fromkeys(("tokens", "seconds", "decode_s", "decode_calls"), 0) for n in names}
+                              for _ in range(2))
+        mismatches, n_featureless = [], 0
         kinds.clear()
         for i, prompt in enumerate(prompts):
             request = prompt.as_chat()
             ids = encode_prompt(target.tokenizer, request, prompt.chat)
-            outputs = {}
+            outputs, rows = {}, {}
             for name in names[i % 3:] + names[:i % 3]:  # rotating order
                 decode["s"], decode["calls"] = 0.0, 0
                 t = time.perf_counter()
-                outputs[name] = methods[name](request, ids)
-                row = total[name]
-                row["seconds"] += time.perf_counter() - t
-                row["tokens"] += len(outputs[name])
-                row["decode_s"] += decode["s"]
-                row["decode_calls"] += decode["calls"]
+                outputs[name] = methods[name](request, ids, prompt.chat)
+                rows[name] = {"tokens": len(outputs[name]), "seconds": time.perf_counter() - t,
+                              "decode_s": decode["s"], "decode_calls": decode["calls"]}
+            n_featureless += not features[0]
+            for sums in (total, featureless) if not features[0] else (total,):
+                for name, row in rows.items():
+                    for key, value in row.items():
+                        sums[name][key] += value
             mismatches += [f"{prompt.id}:{n}" for n in names[1:] if outputs[n] != outputs["llama-ar"]]
-        for row in total.values():
-            row["tokens_per_s"] = row["tokens"] / row["seconds"]
-            row["python_ms_per_token"] = 1e3 * (row["seconds"] - row["decode_s"]) / row["tokens"]
-            row["decode_ms_per_call"] = 1e3 * row["decode_s"] / max(1, row["decode_calls"])
-        ref = total["llama-ar"]["tokens_per_s"]
-        report["sets"][dataset] = {"prompts": len(prompts), "methods": total, "mismatches": mismatches,
-                                   "auto_round_kinds": dict(kinds),
-                                   "vs_llama_ar": {n: total[n]["tokens_per_s"] / ref for n in names}}
-        for n in names:
-            r = total[n]
-            print(f"{dataset:10s} {n:9s} {r['tokens_per_s']:6.1f} tok/s ({r['tokens_per_s'] / ref:.3f}x)  "
-                  f"decode {r['decode_ms_per_call']:.2f} ms/call  python {r['python_ms_per_token']:.3f} ms/token",
-                  flush=True)
+        set_report = {"prompts": len(prompts), "mismatches": mismatches, "auto_round_kinds": dict(kinds),
+                      "featureless_prompt_count": n_featureless}
+        for label, sums in (("methods", total), ("featureless_prompts", featureless)):
+            for row in sums.values():
+                row["tokens_per_s"] = row["tokens"] / max(row["seconds"], 1e-9)
+                row["python_ms_per_token"] = 1e3 * (row["seconds"] - row["decode_s"]) / max(1, row["tokens"])
+                row["decode_ms_per_call"] = 1e3 * row["decode_s"] / max(1, row["decode_calls"])
+            ref = sums["llama-ar"]["tokens_per_s"]
+            set_report[label] = sums
+            set_report["vs_llama_ar" if label == "methods" else "featureless_vs_llama_ar"] = {
+                n: sums[n]["tokens_per_s"] / max(ref, 1e-9) for n in names}
+            for n in names:
+                r = sums[n]
+                print(f"{dataset:10s} {n:9s} {r['tokens_per_s']:6.1f} tok/s ({r['tokens_per_s'] / max(ref, 1e-9):.3f}x)  "
+                      f"decode {r['decode_ms_per_call']:.2f} ms/call  python {r['python_ms_per_token']:.3f} ms/token"
+                      + ("" if label == "methods" else f"  ({n_featureless} prompts where auto ran without features)"),
+                      flush=True)
+        report["sets"][dataset] = set_report
         print(f"{dataset:10s} outputs differing from llama-ar: {len(mismatches)}; auto's rounds: {dict(kinds)}",
               flush=True)
     if args.out:
