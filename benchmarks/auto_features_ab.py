@@ -18,11 +18,11 @@ Greedy, first turns only; every output is checked against ``ar``'s.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jetflow
 from jetflow.eval.datasets import load_eval_set
+from jetflow.utils.fs import write_json_atomic
 
 
 def main() -> int:
@@ -69,8 +69,7 @@ def main() -> int:
               f"| auto without features: {featureless}/{len(prompts)} requests | mismatches: {len(mismatches)}",
               flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json_atomic(args.out, report)
     return 0
 
 

@@ -20,7 +20,6 @@ requests that tap features and explore drafts.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
 
@@ -28,6 +27,7 @@ import jetflow
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.eval.datasets import load_eval_set
 from jetflow.eval.llama_reference import llama_greedy, open_llama
+from jetflow.utils.fs import write_json_atomic
 
 
 def main() -> int:
@@ -114,7 +114,7 @@ def main() -> int:
             set_report[label] = sums
             set_report["vs_llama_ar" if label == "methods" else "featureless_vs_llama_ar"] = {
                 n: sums[n]["tokens_per_s"] / max(ref, 1e-9) for n in names}
-            for n in names:
+            for n in names if label == "methods" or n_featureless else ():
                 r = sums[n]
                 print(f"{dataset:10s} {n:9s} {r['tokens_per_s']:6.1f} tok/s ({r['tokens_per_s'] / max(ref, 1e-9):.3f}x)  "
                       f"decode {r['decode_ms_per_call']:.2f} ms/call  python {r['python_ms_per_token']:.3f} ms/token"
@@ -124,8 +124,7 @@ def main() -> int:
         print(f"{dataset:10s} outputs differing from llama-ar: {len(mismatches)}; auto's rounds: {dict(kinds)}",
               flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json_atomic(args.out, report)
     return 0
 
 

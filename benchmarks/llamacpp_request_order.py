@@ -20,7 +20,6 @@ prompt, so each engine's second method follows the same engine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -31,6 +30,7 @@ from jetflow.eval.datasets import load_eval_set
 from jetflow.eval.llama_reference import llama_greedy
 from jetflow.eval.methods import METHODS, MethodRunner
 from jetflow.models.loading import load_target
+from jetflow.utils.fs import write_json_atomic
 
 WAYS = ["llama-ar", "llama-direct", "ar", "bare"]
 
@@ -90,9 +90,8 @@ def main() -> int:
         print(f"{w:14s} {t['tokens_per_s']:.2f} tok/s ({t['tokens']} tokens, {t['seconds']:.2f} s)")
     print(f"prompts whose four outputs differ: {mismatches}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": ["benchmarks/llamacpp_request_order.py", *sys.argv[1:]], "order": args.order,
-                       "totals": totals, "mismatches": mismatches}, f, indent=1)
+        write_json_atomic(args.out, {"command": ["benchmarks/llamacpp_request_order.py", *sys.argv[1:]],
+                                     "order": args.order, "totals": totals, "mismatches": mismatches})
     return 0
 
 

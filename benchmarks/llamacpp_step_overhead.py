@@ -17,7 +17,6 @@ so that drift hits all alike:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -28,6 +27,7 @@ from jetflow.decoding.prompt import encode_prompt
 from jetflow.eval.datasets import load_eval_set
 from jetflow.eval.llama_reference import open_llama
 from jetflow.models.loading import load_target
+from jetflow.utils.fs import write_json_atomic
 
 
 def main() -> int:
@@ -111,8 +111,7 @@ def main() -> int:
           f"jetflow {prefill['jetflow']:.2f} s, llama-cpp-python {prefill['llama']:.2f} s")
     print(f"argmax of a {target.vocab_size}-row: torch {argmax['torch']:.0f} us, numpy {argmax['numpy']:.0f} us")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json_atomic(args.out, report)
     return 0
 
 
