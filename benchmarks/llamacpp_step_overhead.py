@@ -7,7 +7,10 @@ so that drift hits all alike:
 * ``jetflow_decode``: the ``llama_decode`` call inside JetFlow's ``verify`` of one token;
 * ``jetflow_python``: the rest of ``verify`` + ``commit`` (batch filling, copying logits and taps out);
 * ``jetflow_step_no_taps``: the same step asking for no features, so llama.cpp's layer-input taps are
-  off (JetFlow's autoregressive loop runs so);
+  off (what JetFlow's autoregressive loop ran until ``greedy_step``);
+* ``jetflow_greedy_step``: ``greedy_step(token)``, the plain greedy step the autoregressive loop and
+  ``auto``'s featureless plain rounds run now: decode, then the argmax read in place (no logits
+  copied out, no tree bookkeeping), the argmax included;
 * the prefill of the same prompts on both;
 * greedy argmax of one full-vocabulary row with torch and with numpy.
 
@@ -54,7 +57,7 @@ def main() -> int:
 
     target._decode = timed_decode
     times = {"llama_eval": [], "jetflow_step": [], "jetflow_decode": [], "jetflow_python": [],
-             "jetflow_step_no_taps": []}
+             "jetflow_step_no_taps": [], "jetflow_greedy_step": []}
     for _ in range(args.rounds):
         llm.reset()
         llm.eval(context)
@@ -78,6 +81,11 @@ def main() -> int:
             target.verify([1234 + i], [-1], return_hidden=False)
             target.commit([0])
             times["jetflow_step_no_taps"].append(time.perf_counter() - t)
+        target.prefill(context, return_hidden=False)
+        for i in range(args.steps):
+            t = time.perf_counter()
+            target.greedy_step(1234 + i)
+            times["jetflow_greedy_step"].append(time.perf_counter() - t)
     report = {"command": ["benchmarks/llamacpp_step_overhead.py", *__import__("sys").argv[1:]],
               "threads": args.threads, "context": args.context,
               "step_ms": {k: {"median": 1e3 * statistics.median(v), "mean": 1e3 * statistics.fmean(v), "n": len(v)}
