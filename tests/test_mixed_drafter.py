@@ -219,6 +219,41 @@ def test_observe_counts_how_far_the_target_followed_the_chain():
         [r - math.sqrt(r * (1 - r) / 3) for r in shrunk])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_chains_no_verify_held_are_scored_against_what_the_target_produced(seed):
+    """Plain rounds verify no chain. Each chain they were offered is counted once the target's own
+    tokens since have decided it (a token it missed, or all of it taken), as far as a verify would
+    have taken it: brute force over a random text that repeats itself."""
+    rng = random.Random(seed)
+    text = [rng.randrange(5) for _ in range(400)]  # five token ids: n-gram matches most rounds
+    history = _History()
+    drafter = MixedDrafter(_Primary(), history)
+    drafter.calibration.window = None  # plain sums: the order of observations does not matter
+    offered = []
+    for p in range(1, len(text)):  # one plain round per token: text[p] is the target's latest token
+        history.token_ids = text[:p]
+        proposal = drafter.propose_lookup(text[p], 100)
+        ngram, chain = lookup_match(np.array(text[:p + 1]), drafter.max_ngram, drafter.max_draft)
+        assert (proposal.chain if proposal is not None else []) == chain
+        if chain:
+            offered.append((ngram, chain, p + 1))
+    reference = LookupCalibration(drafter.max_ngram, drafter.max_draft)
+    decided = 0
+    for ngram, chain, start in offered:
+        seen = text[start:][:len(chain)]  # the target's tokens where the chain's went, as far as known
+        followed = next((k for k, t in enumerate(seen) if t != chain[k]), len(seen))
+        if followed < len(seen) or followed == len(chain):
+            reference.observe(ngram, len(chain), followed)
+            decided += 1
+    assert decided > 200
+    assert np.array_equal(drafter.calibration.trials, reference.trials)
+    assert np.array_equal(drafter.calibration.hits, reference.hits)
+    drafter.reset()  # a new request: nothing of the old one is scored against it
+    history.token_ids = [9, 9, 9]
+    drafter.propose_lookup(9, 100)
+    assert np.array_equal(drafter.calibration.trials, reference.trials)
+
+
 @pytest.mark.real
 def test_lookup_lifts_tau_where_smollm2_copies(smollm2):
     """SmolLM2 asked to repeat a passage copies it; the head alone drafts little of it, the merged

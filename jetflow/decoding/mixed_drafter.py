@@ -136,7 +136,10 @@ class MixedDrafter:
         self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)
         self.max_ngram, self.max_draft = max_ngram, max_draft
         self.calibration = LookupCalibration(max_ngram, max_draft, window=LOOKUP_WINDOW)
-        self._last: tuple[int, list[int]] | None = None  # (match length, chain) of the last proposal
+        # (match length, chain, where its first token goes: an index into the committed tokens
+        # followed by the anchor) of the latest proposal, until a verify that held it is observed
+        self._last: tuple[int, list[int], int] | None = None
+        self._unverified: list[tuple[int, list[int], int]] = []  # offered chains no verify held
         self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
@@ -145,7 +148,7 @@ class MixedDrafter:
 
     def reset(self) -> None:
         self.primary.reset()
-        self._last = None
+        self._last, self._unverified = None, []
         self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -166,19 +169,45 @@ class MixedDrafter:
         return proposal if proposal.chain else None
 
     def _with_lookup(self, anchor: int, room: int, primary) -> MixedProposal:
-        self.index.sync(self.target.token_ids)
-        ngram, chain = self.index.match(int(anchor), min(self.max_draft, room))
-        self._last = (ngram, chain) if chain else None
+        tokens, anchor = self.target.token_ids, int(anchor)
+        self._follow_unverified(tokens, anchor)
+        self.index.sync(tokens)
+        ngram, chain = self.index.match(anchor, min(self.max_draft, room))
+        self._last = (ngram, chain, len(tokens) + 1) if chain else None
         cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
         return MixedProposal(primary, int(anchor), chain, cal.rates(ngram, len(chain)),
                              scores_key=(id(cal), cal.version, ngram, len(chain)))
+
+    def _follow_unverified(self, tokens: list[int], anchor: int) -> None:
+        """Count the chains that earlier rounds offered but did not verify (plain rounds, and trees
+        cut before them), against what the target produced since: greedy acceptance is decided by
+        the target's own next tokens, so how far it would have followed a chain is known for free
+        (and a sampled token equals a one-token draft with the probability that draft is accepted).
+        Without this, a calibration that prices chains too low to be verified would never see
+        them again, and featureless requests, which verify no head tree, would never learn it."""
+        if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, unobserved
+            self._unverified.append(self._last)
+            self._last = None
+        known = len(tokens) + 1  # committed tokens, then the anchor (the target's latest token)
+        pending = []
+        for ngram, chain, start in self._unverified:
+            if start > known:  # another sequence since (cannot happen within one)
+                continue
+            seen = min(len(chain), known - start)
+            followed = next((k for k in range(seen)
+                             if chain[k] != (tokens[start + k] if start + k < len(tokens) else anchor)), seen)
+            if followed < seen or followed == len(chain):  # a token it missed, or all of it taken
+                self.calibration.observe(ngram, len(chain), followed)
+            else:
+                pending.append((ngram, chain, start))
+        self._unverified = pending
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Count how far the target followed the lookup chain, where the verified tree held it."""
         self.primary.observe(tree, path)
         if self._last is None:
             return
-        ngram, chain = self._last
+        ngram, chain, _ = self._last
         node, verified = 0, 0
         for token in chain:
             node = tree.children[node].get(token)
