@@ -30,10 +30,14 @@ MAX_CHAIN = 32
 LOOKUP_WINDOW = 200  # trials per calibration cell a decoder remembers (LookupCalibration)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
     """How many leading tokens of ``chain`` the accepted ``path`` (root first) of ``tree`` took."""
-    taken = [tree.tokens[n] for n in path[1:]]
-    return next((k for k, (a, b) in enumerate(zip(chain, taken)) if a != b), min(len(chain), len(taken)))
+    return common_prefix(chain, [tree.tokens[n] for n in path[1:]])
 
 
 class LookupCalibration:
@@ -175,7 +179,7 @@ class MixedDrafter:
         ngram, chain = self.index.match(anchor, min(self.max_draft, room))
         self._last = (ngram, chain, len(tokens) + 1) if chain else None
         cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
-        return MixedProposal(primary, int(anchor), chain, cal.rates(ngram, len(chain)),
+        return MixedProposal(primary, anchor, chain, cal.rates(ngram, len(chain)),
                              scores_key=(id(cal), cal.version, ngram, len(chain)))
 
     def _follow_unverified(self, tokens: list[int], anchor: int) -> None:
@@ -188,15 +192,15 @@ class MixedDrafter:
         if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, unobserved
             self._unverified.append(self._last)
             self._last = None
-        known = len(tokens) + 1  # committed tokens, then the anchor (the target's latest token)
+        if not self._unverified:
+            return
         pending = []
         for ngram, chain, start in self._unverified:
-            if start > known:  # another sequence since (cannot happen within one)
-                continue
-            seen = min(len(chain), known - start)
-            followed = next((k for k in range(seen)
-                             if chain[k] != (tokens[start + k] if start + k < len(tokens) else anchor)), seen)
-            if followed < seen or followed == len(chain):  # a token it missed, or all of it taken
+            produced = tokens[start:start + len(chain)]  # the target's tokens where the chain's went
+            if start + len(produced) == len(tokens) and len(produced) < len(chain):
+                produced = [*produced, anchor]  # ... the anchor (its latest token) included
+            followed = common_prefix(chain, produced)
+            if followed < len(produced) or followed == len(chain):  # a token it missed, or all of it taken
                 self.calibration.observe(ngram, len(chain), followed)
             else:
                 pending.append((ngram, chain, start))
