@@ -20,7 +20,7 @@ from jetflow.eval.datasets import load_eval_set
 
 def report(tag: str, decoder, kinds: collections.Counter) -> None:
     budget, cal = decoder.adaptive_budget(), decoder.drafter.calibration
-    print(f"== {tag}: rounds {dict(kinds)}  verify scale (plain, trees) {np.round(budget._scale, 3).tolist()}  "
+    print(f"== {tag}: rounds {dict(kinds)}  verify scale (plain, trees) {np.round(budget.verify_scales(), 3).tolist()}  "
           f"plain step {1 / budget.plain_rate():.2f} ms  verify of 1 / 3 nodes {budget.verify_cost(1):.2f} / "
           f"{budget.verify_cost(3):.2f} ms", flush=True)
     for ngram in range(1, cal.trials.shape[0]):

@@ -265,21 +265,41 @@ def test_the_heads_measured_gain_over_a_paying_chain_decides(gain):
 
 def test_measured_verify_times_rescale_the_cached_curve():
     """The cached curve says a 4-node tree costs 1.4 plain steps; measured rounds say plain steps
-    now take 2x and trees 1.5x as long: the budget prices both as measured, and each size of tree
-    by the curve times the trees' ratio (pooled over sizes)."""
+    now take 2x as long (the machine slowed down): trees, not yet measured, are priced 2x too. Then
+    trees measure 1.5x the curve: each size of tree is priced by the curve times that ratio (pooled
+    over sizes), and one disturbed measurement moves it by 1/20."""
     ab = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0))
     assert (ab.verify_cost(0), ab.verify_cost(4), ab.verify_cost(8)) == (10.0, 14.0, 18.0)
     for _ in range(30):
         ab.observe(DraftTree.root_only(5), [0], verify_ms=20.0)
-    assert ab.verify_cost(0) == pytest.approx(20.0) and ab.verify_cost(8) == pytest.approx(18.0)
+    assert ab.verify_cost(0) == pytest.approx(20.0) and ab.verify_cost(8) == pytest.approx(36.0)
     assert ab.plain_rate() == pytest.approx(1 / 20.0)
     chain = chain_tree([0.5] * 4)
     for ms in [21.0] * 30:
         ab.observe(chain, [0], verify_ms=ms)
     assert ab.verify_cost(4) == pytest.approx(21.0) and ab.verify_cost(8) == pytest.approx(27.0)
     assert ab.verify_cost(0) == pytest.approx(20.0)
+    assert ab.verify_scales() == pytest.approx((2.0, 1.5))
     ab.observe(chain, [0], verify_ms=210.0)  # one disturbed measurement moves the ratio by 1/20 of it
     assert ab.verify_cost(4) == pytest.approx(21.0 + (210.0 - 21.0) / 20)
+
+
+def test_unverified_tree_costs_follow_the_machine_speed_of_plain_steps():
+    """Trees measured at 1.5x the curve while plain steps ran at 2x (a tree costs 0.75 of what the
+    plain steps' slowdown predicts). Then the machine speeds up and only plain steps run (trees no
+    longer pay, so none is verified): plain steps at 1x price the trees at 0.75x, not at the stale
+    1.5x that would make them look twice as dear as they are."""
+    ab = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0))
+    chain = chain_tree([0.5] * 4)
+    for _ in range(30):
+        ab.observe(DraftTree.root_only(5), [0], verify_ms=20.0)
+        ab.observe(chain, [0], verify_ms=21.0)
+    assert ab.verify_cost(4) == pytest.approx(21.0)
+    for _ in range(100):  # a running mean over 20: within 1% after 100
+        ab.observe(DraftTree.root_only(5), [0], verify_ms=10.0)
+    assert ab.verify_cost(0) == pytest.approx(10.0, rel=0.01)
+    assert ab.verify_cost(4) == pytest.approx(14.0 * 0.75, rel=0.01)
+    assert ab.verify_scales()[1] == pytest.approx(0.75, rel=0.01)
 
 
 def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh():

@@ -77,12 +77,16 @@ class AdaptiveBudget:
         # The cost curve is measured once per machine and cached, but a machine's speed, and the
         # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.62 when
         # cached, 1.35 later the same day). So verify times are measured as rounds run, and the
-        # curve is scaled by the running ratio of measured to predicted time, one ratio for plain
-        # steps and one for trees (pooled over all sizes: a size judged dear by one slow
-        # measurement would otherwise never be tried, and so never corrected).
+        # curve is scaled by the running ratio of measured to predicted time of plain steps (the
+        # machine's speed, measured nearly every round), and trees by that times the running ratio
+        # of their own measured scale to the plain steps' at the time (pooled over all sizes: a
+        # size judged dear by one slow measurement would otherwise never be tried, and so never
+        # corrected). Trees are verified rarely where they do not pay; a tree scale of its own
+        # would keep the machine speed of the last verify, so that once the machine sped up,
+        # trees looked dear, were not verified, and their price was never corrected.
         self._curve = [costs.c1_ms] + [costs.verify_ms(n) for n in range(1, max_budget + 1)]
         self._draft = [costs.draft_ms(n) for n in range(max_budget + 1)]
-        self._scale, self._scale_count = [1.0, 1.0], [0, 0]  # [plain steps, trees]
+        self._plain_scale, self._tree_rel, self._scale_count = 1.0, 1.0, [0, 0]  # counts: [plain, trees]
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
@@ -141,17 +145,24 @@ class AdaptiveBudget:
         """Tokens per ms of a round that verifies the root alone (no draft forward)."""
         return 1.0 / (self.verify_cost(0) + self.overhead_ms)
 
+    def verify_scales(self) -> tuple[float, float]:
+        """The measured-to-cached cost ratios of plain steps and of trees."""
+        return self._plain_scale, self._plain_scale * self._tree_rel
+
     def verify_cost(self, n: int) -> float:
         """Milliseconds of a verify of n draft nodes (plus the root): measured, else predicted."""
-        return self._curve[min(n, self.max_budget)] * self._scale[n > 0]
+        return self._curve[min(n, self.max_budget)] * self.verify_scales()[n > 0]
 
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
         if k or self._scale_count[0] % 16 == 0:  # tree costs moved, or 16 plain steps since the last
             self._chain_prices.clear()
         self._scale_count[k] += 1
-        ratio = ms / self._curve[min(nodes, self.max_budget)]
-        self._scale[k] += (ratio - self._scale[k]) / min(self._scale_count[k], 20)  # mean, then running
+        ratio, weight = ms / self._curve[min(nodes, self.max_budget)], 1 / min(self._scale_count[k], 20)
+        if k:  # mean, then running
+            self._tree_rel += (ratio / self._plain_scale - self._tree_rel) * weight
+        else:
+            self._plain_scale += (ratio - self._plain_scale) * weight
 
     def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
