@@ -26,7 +26,7 @@ def report(tag: str, decoder, kinds: collections.Counter) -> None:
     for ngram in range(1, cal.trials.shape[0]):
         print(f"   match length {ngram}: rates d1-4 {np.round(cal.rates(ngram, 4), 3).tolist()}  "
               f"trials d1-3 {np.round(cal.trials[ngram, 1:4], 1).tolist()}", flush=True)
-    scores = [0.0, *np.cumsum(np.log(np.clip(cal.rates(cal.trials.shape[0] - 1, 5), 1e-9, 1))).tolist()]
+    scores = [0.0, *np.cumsum(cal.log_rates(cal.trials.shape[0] - 1, 5)).tolist()]
     print(f"   a 5-token chain of the longest match: best prefix (nodes, tokens, ms) "
           f"{budget._best_chain_prefix(scores)}", flush=True)
 

@@ -12,7 +12,7 @@ import jetflow
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.lookup_drafter import lookup_match
-from jetflow.decoding.mixed_drafter import LookupCalibration, MixedDrafter, MixedProposal
+from jetflow.decoding.mixed_drafter import LookupCalibration, MixedDrafter, MixedProposal, log_probs
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.eagle_head import EagleHead
 from jetflow.models.target import TargetModel
@@ -74,7 +74,7 @@ def test_merge_matches_brute_force(seed):
     width, budget = rng.randint(1, 4), rng.randint(0, 30)
     chain = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
     q = np.array([rng.choice([0.0, 0.05, 0.3, 0.7, 0.99, 1.0]) for _ in chain])
-    proposal = MixedProposal(FixedProposal(logprobs, 99, width), 99, chain, q)
+    proposal = MixedProposal(FixedProposal(logprobs, 99, width), 99, chain, log_probs(q))
     tree = proposal.tree(budget)
     base = build_tree(logprobs, 99, budget, width)
     assert paths(tree) == reference_merge(base, chain, proposal.chain_logq, budget)
@@ -115,6 +115,25 @@ def test_calibration_counts_like_brute_force():
     np.testing.assert_allclose(cal.rates(2, 10), expected)
     no_evidence = 0.5 - math.sqrt(0.25 / 2)
     assert LookupCalibration().rates(1, 4) == pytest.approx([no_evidence] * 4)
+
+
+@pytest.mark.parametrize("deepest", [0, 1, 3, 32])
+def test_calibration_rates_at_untried_depths_equal_the_full_recurrence(deepest):
+    """Rates are computed up to the deepest tried depth and carried below it: equal to running the
+    recurrence over every depth, and log_rates equal to their clipped logs."""
+    rng = random.Random(deepest)
+    cal = LookupCalibration(max_ngram=2, max_depth=32, prior=2.0, window=50)
+    for _ in range(200 if deepest else 0):
+        verified = rng.randint(1, deepest)
+        cal.observe(1, verified, rng.randint(0, verified))
+    expected, previous = [], 0.5
+    for d in range(1, 33):
+        n = cal.trials[1, d] + 2.0
+        previous = (cal.hits[1, d] + 2.0 * previous) / n
+        expected.append(max(0.0, previous - math.sqrt(previous * (1 - previous) / n)))
+    np.testing.assert_allclose(cal.rates(1, 32), expected, rtol=1e-12)
+    np.testing.assert_allclose(cal.log_rates(1, 32), np.log(np.clip(expected, 1e-9, 1.0)), rtol=1e-12)
+    assert (cal.trials[1, deepest + 1:] == 0).all() and cal.trials[1, 1:].any() == (deepest > 0)
 
 
 def test_a_windowed_calibration_follows_a_change_of_text():
@@ -200,7 +219,7 @@ class _History:
 
 def test_observe_counts_how_far_the_target_followed_the_chain():
     drafter = MixedDrafter(_Primary(), _History())
-    drafter.calibration.rates = lambda ngram, depth: np.full(depth, 0.5)  # (priced as if half were taken)
+    drafter.calibration.log_rates = lambda ngram, depth: [math.log(0.5)] * depth  # (priced as if half were taken)
     proposal = drafter.propose(3, 7, 100, 1, max_nodes=8)  # "1 2 3" occurred before, followed by 4 5 1 2 3
     assert proposal.chain == [4, 5, 1, 2, 3]
     tree = proposal.tree(8)

@@ -178,10 +178,11 @@ class AdaptiveBudget:
         """(n, expected tokens, cost ms) of the chain prefix of n nodes (scores: cumulative log P of
         acceptance, root first) with the most tokens per ms, if it beats a plain step."""
         expected, best = 1.0, None
-        best_rate = self.plain_rate()
+        best_rate, (_, tree_scale) = self.plain_rate(), self.verify_scales()
+        curve, overhead = self._curve, self.overhead_ms  # (verify_cost inlined: priced every round)
         for n in range(1, min(len(scores) - 1, self.max_budget) + 1):
             expected += math.exp(scores[n])  # a chain: node n is on the path with P = exp(score)
-            cost = self.verify_cost(n) + self.overhead_ms
+            cost = curve[n] * tree_scale + overhead
             if expected / cost > best_rate:
                 best, best_rate = (n, expected, cost), expected / cost
         return best

@@ -13,7 +13,7 @@ tree is verified as losslessly as any other; q only decides which nodes the budg
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 
 import numpy as np
@@ -33,6 +33,12 @@ LOOKUP_WINDOW = 200  # trials per calibration cell a decoder remembers (LookupCa
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def log_probs(q) -> list[float]:
+    """log q per element, with q clipped to [1e-9, 1] (a token never accepted still gets a rank)."""
+    log, floor = math.log, math.log(1e-9)
+    return [(log(x) if x < 1.0 else 0.0) if x > 1e-9 else floor for x in q]
 
 
 def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
@@ -59,7 +65,7 @@ class LookupCalibration:
         self.prior, self.window = prior, window
         self.hits = np.zeros((max_ngram + 1, max_depth + 1))
         self.trials = np.zeros((max_ngram + 1, max_depth + 1))
-        self._rates: dict[int, np.ndarray] = {}  # per match length, every depth; cleared by observe
+        self._rates: dict[int, tuple[list[float], list[float]]] = {}  # match length -> (rates, logs)
         self.version = 0  # counts observe() calls: rates() may differ once it changes
 
     def rates(self, ngram: int, depth: int) -> np.ndarray:
@@ -67,14 +73,28 @@ class LookupCalibration:
         high, so an unbiased estimate would be too high for the chains taken (and where lookup
         barely pays, as on llama.cpp for text that copies little, that costs speed); with more
         trials the margin shrinks."""
-        if ngram not in self._rates:  # asked every round, changed only by rounds that verified a chain
-            out, previous = np.empty(self.trials.shape[1] - 1), 0.5
-            for d in range(1, out.size + 1):
-                n = self.trials[ngram, d] + self.prior
-                previous = (self.hits[ngram, d] + self.prior * previous) / n
-                out[d - 1] = max(0.0, previous - math.sqrt(previous * (1 - previous) / n))
-            self._rates[ngram] = out
-        return self._rates[ngram][:depth].copy()
+        return np.array(self._depth_rates(ngram)[0][:depth])
+
+    def log_rates(self, ngram: int, depth: int) -> list[float]:
+        """``log_probs(rates(ngram, depth))``."""
+        return self._depth_rates(ngram)[1][:depth]
+
+    def _depth_rates(self, ngram: int) -> tuple[list[float], list[float]]:
+        cached = self._rates.get(ngram)
+        if cached is None:  # asked every round of auto, changed by every round that counted a chain
+            trials = self.trials[ngram, 1:].tolist()
+            tried = next((d for d in range(len(trials), 0, -1) if trials[d - 1] > 0), 0)  # deepest tried depth
+            out, previous, prior, sqrt = [], 0.5, self.prior, math.sqrt
+            for hits, n in zip(self.hits[ngram, 1:tried + 1].tolist(), trials[:tried]):
+                n += prior
+                previous = (hits + prior * previous) / n
+                rate = previous - sqrt(previous * (1 - previous) / n)
+                out.append(rate if rate > 0.0 else 0.0)
+            # deeper, untried depths keep the last estimate (shrunk towards the depth above, no counts)
+            rate = previous - sqrt(previous * (1 - previous) / prior)
+            out += [rate if rate > 0.0 else 0.0] * (len(trials) - tried)
+            cached = self._rates[ngram] = (out, log_probs(out))
+        return cached
 
     def observe(self, ngram: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
@@ -90,20 +110,17 @@ class LookupCalibration:
 
 
 class MixedProposal:
-    def __init__(self, primary, root: int, chain: list[int], chain_q: np.ndarray, scores_key=None):
-        """``chain_q[d-1]``: estimated P(chain token d accepted | token d-1 accepted). ``primary``:
-        the head's proposal, or None for the lookup chain alone (a round without a head forward).
-        ``scores_key``: equal keys promise equal ``chain_q`` (what a budget may cache its price on)."""
+    def __init__(self, primary, root: int, chain: list[int], chain_logq: list[float], scores_key=None):
+        """``chain_logq[d-1]``: estimated log P(chain token d accepted | token d-1 accepted).
+        ``primary``: the head's proposal, or None for the lookup chain alone (a round without a head
+        forward). ``scores_key``: equal keys promise equal ``chain_logq`` (what a budget may cache
+        its price on)."""
         self.primary, self.root, self.chain = primary, root, chain
-        self._chain_q, self.scores_key = chain_q, scores_key
-
-    @functools.cached_property
-    def chain_logq(self) -> list[float]:
-        return np.log(np.clip(self._chain_q, 1e-9, 1.0)).tolist()
+        self.chain_logq, self.scores_key = chain_logq, scores_key
 
     def scores(self) -> list[float]:
         """The lookup chain alone as a tree's scores: root 0, then cumulative log P of acceptance."""
-        return [0.0, *np.cumsum(self.chain_logq).tolist()]
+        return list(itertools.accumulate(self.chain_logq, initial=0.0))
 
     def tree(self, budget: int) -> DraftTree:
         """``budget`` nodes (fewer if both run out), parents before children, taken best first."""
@@ -179,7 +196,7 @@ class MixedDrafter:
         ngram, chain = self.index.match(anchor, min(self.max_draft, room))
         self._last = (ngram, chain, len(tokens) + 1) if chain else None
         cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
-        return MixedProposal(primary, anchor, chain, cal.rates(ngram, len(chain)),
+        return MixedProposal(primary, anchor, chain, cal.log_rates(ngram, len(chain)),
                              scores_key=(id(cal), cal.version, ngram, len(chain)))
 
     def _follow_unverified(self, tokens: list[int], anchor: int) -> None:

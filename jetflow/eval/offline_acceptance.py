@@ -188,7 +188,7 @@ class ReplayRounds:
         ngram, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
         root = int(self.tokens[anchor])
         proposal = MixedProposal(_HeadTree(self.trees[anchor], root, self.draft_ids), root, chain,
-                                 lookup_rates.rates(ngram, len(chain)))
+                                 lookup_rates.log_rates(ngram, len(chain)))
         tree = proposal.tree(budget)
         nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
         if chain and len(tree) > 1:
