@@ -268,3 +268,24 @@ def test_text_compared_methods_ignore_how_the_text_was_split():
     cut = [dict(ref[0], token_ids=[12])]  # its ids, cut at max_new_tokens, cover less of the same text
     assert summarize(cut, ref, True, as_text=text)["mismatches"] == []
     assert not METHODS["llama-dflash"].exact_tokens and METHODS["jetflow"].exact_tokens
+
+
+def test_speedup_interval_against_exact_enumeration():
+    """Three prompts: the bootstrap's 27 equally likely resamples enumerated exactly; its percentile
+    interval must land on the exact distribution's quantiles (within a resample step)."""
+    import itertools
+
+    from jetflow.eval.bootstrap import speedup_interval
+
+    ref = [_rec("a", 0, 10, 1.0, 9), _rec("b", 0, 10, 1.0, 9), _rec("b", 1, 10, 2.0, 9), _rec("c", 0, 30, 3.0, 29)]
+    run = [_rec("a", 0, 10, 0.5, 9), _rec("b", 0, 10, 1.0, 9), _rec("b", 1, 10, 1.0, 9), _rec("c", 0, 30, 4.0, 29)]
+    sums = {"a": (10, 0.5, 10, 1.0), "b": (20, 2.0, 20, 3.0), "c": (30, 4.0, 30, 3.0)}  # turns of b summed
+    exact = sorted((sum(sums[p][0] for p in pick) / sum(sums[p][1] for p in pick))
+                   / (sum(sums[p][2] for p in pick) / sum(sums[p][3] for p in pick))
+                   for pick in itertools.product("abc", repeat=3))
+    low, high = speedup_interval(run, ref, confidence=0.8, resamples=20000)
+    assert exact[1] <= low <= exact[3] and exact[-4] <= high <= exact[-2]
+    assert low < summarize(run, ref, greedy=False)["speedup"] < high
+    assert speedup_interval(ref, ref) == (pytest.approx(1.0), pytest.approx(1.0))  # a run against itself
+    assert speedup_interval(run[:1], ref) is None  # one prompt: no interval
+    assert summarize(run, ref, greedy=False)["speedup_ci95"] == speedup_interval(run, ref)  # deterministic

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jetflow.eval.bootstrap import speedup_interval
 from jetflow.eval.datasets import EvalPrompt
 from jetflow.eval.methods import MethodRunner, MethodSpec, reference_method
 from jetflow.utils.fs import write_json_atomic
@@ -145,6 +146,7 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         ratios = [(r["new_tokens"] / r["seconds"]) / (ref[k]["new_tokens"] / ref[k]["seconds"])
                   for r in records if (k := (r["id"], r["turn"])) in ref and r["seconds"] and ref[k]["seconds"]]
         out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
+        out["speedup_ci95"] = speedup_interval(records, reference)  # prompts resampled (eval/bootstrap.py)
     equal_to = reference if equal_to is None else equal_to
     if equal_to is not None and greedy:
         view = as_text or (lambda ids: ids)
@@ -249,7 +251,8 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
             s = run["summary"]
             if progress:
                 print(f"{dataset:10s} {spec.name:14s} {'' if budget is None else budget:>5} tau {s['tau']:5.2f} "
-                      f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x", file=sys.stderr)
+                      f"{s['tokens_per_s']:6.1f} tok/s  speed-up {s.get('speedup', 1):.2f}x"
+                      + (f" (95% {ci[0]:.2f}-{ci[1]:.2f})" if (ci := s.get("speedup_ci95")) else ""), file=sys.stderr)
             runs.append(run)
     return runs
 

@@ -43,15 +43,16 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
              "tau = mean accepted length per round, bonus token included (tokens a last round accepted past a "
              "stop or the length limit count; `tokens_per_round` in summary.json leaves them out; for `hf`/`pld` "
              "tokens per target forward). Speed-up = total tokens / "
-             "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline); per-prompt = mean of per-prompt speed-ups.", "",
+             "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline), with its 95% interval "
+             "from resampling prompts (a paired bootstrap); per-prompt = mean of per-prompt speed-ups.", "",
              "## Best budget per method", "",
-             "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to reference |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dataset | method | budget | tau | tok/s | speed-up | 95% interval | per-prompt | identical to reference |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (dataset, method), run in sorted(best_runs(runs).items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
         lines.append(_row(run, dataset, method))
     lines += ["", "## All runs", "",
-              "| dataset | method | budget | tau | tok/s | speed-up | per-prompt | identical to reference |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| dataset | method | budget | tau | tok/s | speed-up | 95% interval | per-prompt | identical to reference |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         lines.append(_row(run, run["dataset"], run["method"]))
     categorized = [r for r in runs if r["summary"].get("by_category")]
@@ -105,9 +106,10 @@ def _order(method: str) -> int:
 
 def _row(run: dict, dataset: str, method: str) -> str:
     s = run["summary"]
-    per = s.get("speedup_per_prompt_mean")
+    per, ci = s.get("speedup_per_prompt_mean"), s.get("speedup_ci95")
     return (f"| {dataset} | {method} | {_budget_cell(run)} | {s['tau']:.2f} | {s['tokens_per_s']:.1f} | "
-            f"{s.get('speedup', 1):.2f}x | {'-' if per is None else f'{per:.2f}x'} | {_same(s)} |")
+            f"{s.get('speedup', 1):.2f}x | {'-' if ci is None else f'{ci[0]:.2f}-{ci[1]:.2f}x'} | "
+            f"{'-' if per is None else f'{per:.2f}x'} | {_same(s)} |")
 
 
 def _same(s: dict) -> str:
