@@ -240,9 +240,10 @@ def test_observe_counts_how_far_the_target_followed_the_chain():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_chains_no_verify_held_are_scored_against_what_the_target_produced(seed):
-    """Plain rounds verify no chain. Each chain they were offered is counted once the target's own
-    tokens since have decided it (a token it missed, or all of it taken), as far as a verify would
-    have taken it: brute force over a random text that repeats itself."""
+    """Plain rounds verify no chain. Each chain they were offered is counted (in batches, the last
+    at the request's end) once the target's own tokens since have decided it (a token it missed, or
+    all of it taken), as far as a verify would have taken it: brute force over a random text that
+    repeats itself."""
     rng = random.Random(seed)
     text = [rng.randrange(5) for _ in range(400)]  # five token ids: n-gram matches most rounds
     history = _History()
@@ -265,6 +266,9 @@ def test_chains_no_verify_held_are_scored_against_what_the_target_produced(seed)
             reference.observe(ngram, len(chain), followed)
             decided += 1
     assert decided > 200
+    counted = drafter.calibration.trials.sum()
+    drafter.reset()  # the request ends: the last batch is counted
+    assert counted < drafter.calibration.trials.sum()  # (counted in batches: some were left)
     assert np.array_equal(drafter.calibration.trials, reference.trials)
     assert np.array_equal(drafter.calibration.hits, reference.hits)
     drafter.reset()  # a new request: nothing of the old one is scored against it

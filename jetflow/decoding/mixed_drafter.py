@@ -28,6 +28,10 @@ from jetflow.tree.build import DraftTree
 # (docs/results.md, "Longer lookup chains").
 MAX_CHAIN = 32
 LOOKUP_WINDOW = 200  # trials per calibration cell a decoder remembers (LookupCalibration)
+# Chains that no verify held are counted in batches of this many: each count changes the
+# calibration, and with it the price of every chain offered after it, so counting each round made
+# `auto` re-derive rates and prices every round (work done between two decodes, with cold caches).
+FOLLOW_EVERY = 16
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -161,6 +165,8 @@ class MixedDrafter:
         # followed by the anchor) of the latest proposal, until a verify that held it is observed
         self._last: tuple[int, list[int], int] | None = None
         self._unverified: list[tuple[int, list[int], int]] = []  # offered chains no verify held
+        self._anchor: int | None = None  # the latest proposal's anchor
+        self._rounds_unfollowed = 0  # proposals since the unverified chains were last counted
         self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
@@ -168,8 +174,10 @@ class MixedDrafter:
         return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft)
 
     def reset(self) -> None:
+        if self._unverified:  # the last batch, counted against the tokens the latest proposal saw
+            self._follow_unverified(self.index.tokens, self._anchor)
         self.primary.reset()
-        self._last, self._unverified = None, []
+        self._last, self._unverified, self._anchor, self._rounds_unfollowed = None, [], None, 0
         self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -191,8 +199,14 @@ class MixedDrafter:
 
     def _with_lookup(self, anchor: int, room: int, primary) -> MixedProposal:
         tokens, anchor = self.target.token_ids, int(anchor)
-        self._follow_unverified(tokens, anchor)
+        if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, no verify held it
+            self._unverified.append(self._last)
+            self._last = None
+        self._rounds_unfollowed += 1
+        if self._rounds_unfollowed >= FOLLOW_EVERY and self._unverified:
+            self._follow_unverified(tokens, anchor)
         self.index.sync(tokens)
+        self._anchor = anchor
         ngram, chain = self.index.match(anchor, min(self.max_draft, room))
         self._last = (ngram, chain, len(tokens) + 1) if chain else None
         cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
@@ -205,13 +219,9 @@ class MixedDrafter:
         the target's own next tokens, so how far it would have followed a chain is known for free
         (and a sampled token equals a one-token draft with the probability that draft is accepted).
         Without this, a calibration that prices chains too low to be verified would never see
-        them again, and featureless requests, which verify no head tree, would never learn it."""
-        if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, unobserved
-            self._unverified.append(self._last)
-            self._last = None
-        if not self._unverified:
-            return
-        pending = []
+        them again, and featureless requests, which verify no head tree, would never learn it.
+        ``tokens``: the target's committed tokens, ``anchor`` its latest token after them."""
+        pending, self._rounds_unfollowed = [], 0
         for ngram, chain, start in self._unverified:
             produced = tokens[start:start + len(chain)]  # the target's tokens where the chain's went
             if start + len(produced) == len(tokens) and len(produced) < len(chain):
