@@ -34,8 +34,8 @@ def speedup_interval(records: list[dict], reference: list[dict], confidence: flo
         tokens = seconds = ref_tokens = ref_seconds = 0.0
         for t, s, rt, rs in rng.choices(prompts, k=len(prompts)):
             tokens, seconds, ref_tokens, ref_seconds = tokens + t, seconds + s, ref_tokens + rt, ref_seconds + rs
-        if seconds > 0 and ref_tokens > 0:
-            ratios.append((tokens / seconds) / (ref_tokens / ref_seconds))
+        if seconds > 0 and ref_tokens > 0:  # (tokens / seconds) / (ref_tokens / ref_seconds)
+            ratios.append(tokens * ref_seconds / (seconds * ref_tokens))
     ratios.sort()
     tail = (1 - confidence) / 2
     return ratios[int(tail * (len(ratios) - 1))], ratios[round((1 - tail) * (len(ratios) - 1))]

@@ -31,6 +31,10 @@ def best_runs(runs: list[dict]) -> dict[tuple[str, str], dict]:
     return best
 
 
+RUN_TABLE_HEAD = ["| dataset | method | budget | tau | tok/s | speed-up | 95% interval | per-prompt | identical to reference |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # the columns of _row
+
+
 def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None = None,
              block_size: int | None = None) -> str:
     lines = ["# JetFlow benchmark", "",
@@ -45,14 +49,10 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
              "tokens per target forward). Speed-up = total tokens / "
              "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline), with its 95% interval "
              "from resampling prompts (a paired bootstrap); per-prompt = mean of per-prompt speed-ups.", "",
-             "## Best budget per method", "",
-             "| dataset | method | budget | tau | tok/s | speed-up | 95% interval | per-prompt | identical to reference |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "## Best budget per method", "", *RUN_TABLE_HEAD]
     for (dataset, method), run in sorted(best_runs(runs).items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
         lines.append(_row(run, dataset, method))
-    lines += ["", "## All runs", "",
-              "| dataset | method | budget | tau | tok/s | speed-up | 95% interval | per-prompt | identical to reference |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## All runs", "", *RUN_TABLE_HEAD]
     for run in runs:
         lines.append(_row(run, run["dataset"], run["method"]))
     categorized = [r for r in runs if r["summary"].get("by_category")]
