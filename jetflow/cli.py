@@ -206,7 +206,7 @@ def cmd_train(args) -> int:
                          dense_depth1_anchors=args.dense_depth1_anchors,
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
                          shift_tokens=args.shift_tokens, path_projection=args.path_projection, amp=args.amp,
-                         max_seconds=args.max_seconds)
+                         max_seconds=args.max_seconds, pack_sequences=args.pack_sequences)
     fractions = _fractions(args.snapshot_at)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
@@ -515,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training time budget: stop once this many seconds of training are spent, the "
                         "learning-rate schedule decaying over the budget (for heads compared at equal time; "
                         "0 = off)")
+    t.add_argument("--pack-sequences", type=_non_negative_int, default=0,
+                   help="sequences per target and head forward, packed end to end (the same losses; 0 = the "
+                        "whole micro-batch on a GPU, 1 on the CPU, where packing is slower)")
     t.add_argument("--max-sequences", type=_positive_int, default=None,
                    help="train on the first N sequences of --data in shard order (learning curves over data size; "
                         "with --teacher-cache, N must end on one of its parts)")

@@ -210,7 +210,6 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
     against drafting from each anchor and the target's own distribution); held-out evaluation keeps
     the plain objective; training runs and the option is refused where it means nothing."""
     from jetflow.errors import JetFlowError
-    from jetflow.training.block_objective import dense_depth1_loss
     from jetflow.training.losses import slot_losses
     from jetflow.training.trainer import TrainConfig, Trainer
 
@@ -221,9 +220,19 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
     seq = seqs[0]
     tokens = torch.tensor(seq.token_ids)
     features = target.prefill(seq.token_ids).hidden
+
+    def dense_term(settings, seed):  # (training loss with the term - without it) / its weight
+        g = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
+        trainer.head.train()
+        trainer.config = settings
+        with_term = trainer.sequence_loss(0, g())[0]
+        trainer.config = dataclasses.replace(settings, dense_depth1=0.0)
+        without = trainer.sequence_loss(0, g())[0]
+        trainer.config = config
+        return (with_term - without) / settings.dense_depth1
+
     with torch.no_grad():
-        dense = dense_depth1_loss(trainer, 0, seq, tokens, features, block_context(trainer.head, features),
-                                  torch.Generator())
+        dense = dense_term(config, 0)
         expected = []
         for a in range(seq.prompt_len, len(tokens) - 1):
             drafter = BlockDrafter(trainer.head, target)
@@ -232,20 +241,20 @@ def test_dense_depth1_loss_is_the_mean_depth1_loss_at_every_anchor(target, tmp_p
             _, teacher = target.features_and_logits(seq.token_ids, torch.tensor([a]))
             expected.append(slot_losses(draft[None], teacher.log_softmax(-1), tokens[a + 1:a + 2], "fkl"))
         torch.testing.assert_close(dense, torch.cat(expected).mean(), atol=1e-4, rtol=1e-4)
-        # --dense-depth1-anchors N: the same losses at N answer positions drawn from the step's generator
-        trainer.config = dataclasses.replace(config, dense_depth1_anchors=3)
-        sampled = sample_anchors(seq.prompt_len, len(tokens), 3, torch.Generator().manual_seed(5)) - seq.prompt_len
+        # --dense-depth1-anchors N: the same losses at N answer positions drawn from the sequence's
+        # generator after its block anchors
+        g = torch.Generator().manual_seed(5)
+        sample_anchors(seq.prompt_len, len(tokens), config.anchors_per_seq, g)
+        sampled = sample_anchors(seq.prompt_len, len(tokens), 3, g) - seq.prompt_len
         assert len(sampled) == 3
-        some = dense_depth1_loss(trainer, 0, seq, tokens, features, block_context(trainer.head, features),
-                                 torch.Generator().manual_seed(5))
+        some = dense_term(dataclasses.replace(config, dense_depth1_anchors=3), 5)
         torch.testing.assert_close(some, torch.cat(expected)[sampled].mean(), atol=1e-4, rtol=1e-4)
-        trainer.config = config
         trainer.head.train().requires_grad_(True)  # the drafter switched it to inference
         train_loss, _ = trainer.sequence_loss(0, torch.Generator().manual_seed(7))
         trainer.head.eval()
         plain, _ = trainer.sequence_loss(0, torch.Generator().manual_seed(7))
         trainer.head.train()
-    torch.testing.assert_close(train_loss, plain + 0.5 * dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(train_loss, plain + 0.5 * dense_term(config, 7), atol=1e-5, rtol=1e-5)
     trainer.fit(log=lambda r: None)
     assert trainer.step == trainer.total_steps
     for bad in ({"attention": "bidirectional"}, {"head": "eagle3"}, {"dense_depth1": -1.0},

@@ -177,3 +177,31 @@ def test_a_smaller_block_from_a_causal_head_drafts_its_first_depths_unchanged(ta
     assert warm_start_head(tmp_path / "big", target, TrainConfig(block_size=4, **shape)).config.block_size == 4
     with pytest.raises(JetFlowError, match="block-size 8"):
         warm_start_head(tmp_path / "big", target, TrainConfig(block_size=8, **shape))
+
+
+def test_a_plain_head_warm_starts_a_path_projection_run(target, tmp_path):
+    """--init-from a head without --shift-tokens/--path-projection for a run with both: every weight
+    is kept and the new projection starts at zero, so the head drafts as the old one would with the
+    MASK embedding in the later slots set to zero; the stale tree calibration is dropped."""
+    from jetflow.training.run import warm_start_head
+    from jetflow.training.trainer import TrainConfig
+
+    head = make_head(target, depth_embedding=True, feed_last_feature=True).eval()
+    head.save_pretrained(tmp_path / "plain")
+    shape = dict(layers=2, draft_vocab=0, feed_last_feature=True, depth_embedding=True,
+                 block_size=head.config.block_size)
+    new = warm_start_head(tmp_path / "plain", target, TrainConfig(shift_tokens=True, path_projection=True,
+                                                                  **shape)).eval()
+    assert new.config.shift_tokens and new.config.path_projection and new.config.tree_calibration is None
+    for name, value in head.state_dict().items():
+        assert torch.equal(new.state_dict()[name], value), name
+    torch.manual_seed(4)
+    fused = head.fuse(torch.randn(9, 2 * 64))
+    ctx = head.context_kv(fused, torch.arange(9))
+    b = head.config.block_size
+    embeds = target.model.get_input_embeddings()(torch.tensor([7] + [head.config.mask_token_id] * (b - 1)))
+    with torch.no_grad():
+        got = new(embeds, torch.arange(9, 9 + b), ctx, head.block_mask(9), fused[-1])
+        want = head(torch.cat([embeds[:1], torch.zeros_like(embeds[1:])]), torch.arange(9, 9 + b), ctx,
+                    head.block_mask(9), fused[-1])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -268,3 +268,68 @@ def test_a_time_budget_stops_training_and_decays_the_rate_over_it(target, data, 
     assert resumed.step == 5
     with pytest.raises(JetFlowError, match="max_seconds"):
         config(max_seconds=-1)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dense_depth1=0.5, feed_last_feature=True, depth_embedding=True),
+    dict(dense_depth1=1.0, dense_depth1_anchors=3, reveal=0.5, shift_tokens=True, path_projection=True,
+         feed_last_feature=True, gamma=2.0),
+    dict(loss="sft", draft_vocab=40, reveal=0.5),
+    dict(attention="bidirectional", loss="rkl"),
+    dict(head="eagle3", block_size=4, gamma=4.48),
+])
+def test_a_packed_micro_batch_gives_each_sequence_the_loss_it_has_alone(target, data, tmp_path, kw):
+    """The sequences of a micro-batch go through the target and the head together, packed end to end;
+    each sequence's loss and agreement must equal what it gets alone (the reference: one sequence per
+    call), in training mode (revealed blocks, dense depth-1 term) and in held-out evaluation."""
+    seqs = load_sequences(data, target)
+    trainer = Trainer(target, seqs, tmp_path / "run", config(**kw))
+    indices = [0, 3, 1, 5]
+    g = lambda i: torch.Generator().manual_seed(100 + i)  # noqa: E731
+    for training in (True, False):
+        trainer.head.train(training)
+        packed, info = trainer.batch_loss([(i, g(i)) for i in indices])
+        alone = [trainer.batch_loss([(i, g(i))]) for i in indices]
+        torch.testing.assert_close(packed, torch.cat([a for a, _ in alone]), atol=1e-5, rtol=1e-5)
+        for key in ("depth", "agree"):
+            assert info[key].tolist() == torch.cat([a[key] for _, a in alone]).tolist()
+        assert info["sequence"].tolist() == [k for k, (_, a) in enumerate(alone) for _ in a["depth"]]
+    trainer.head.train()
+    packed, _ = trainer.batch_loss([(i, g(i)) for i in indices])
+    packed.sum().backward()  # gradients flow through the packed forward
+    assert all(p.grad is not None for p in trainer.head.parameters() if p.requires_grad)
+
+
+def test_online_teacher_batches_sequences_into_one_target_forward(target, data):
+    """fetch_many runs one right-padded forward: the same features and teacher rows as one forward
+    per sequence (the brute-force reference), in request order."""
+    from jetflow.training.teacher import OnlineTeacher
+
+    seqs = load_sequences(data, target)
+    teacher = OnlineTeacher(target, torch.tensor([3, 1, 4, 15, 9, 26]))
+    requests = [(i, seqs[i], torch.arange(seqs[i].prompt_len, len(seqs[i].token_ids) - 1 - i % 2)) for i in (2, 0, 5)]
+    features, rows = teacher.fetch_many(requests)
+    alone = [teacher.fetch(*r) for r in requests]
+    for f, (want, _) in zip(features, alone):
+        torch.testing.assert_close(f, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows, torch.cat([t for _, t in alone]), atol=1e-5, rtol=1e-5)
+    assert rows.shape == (sum(len(p) for _, _, p in requests), 6)
+
+
+def test_packing_changes_no_training_step(target, data, tmp_path):
+    """--pack-sequences only groups the work: a step with the micro-batch in one forward leaves the
+    head where one forward per sequence does; on the CPU the default is one per forward."""
+    seqs = load_sequences(data, target)
+    heads = []
+    for pack in (1, 4):
+        trainer = Trainer(target, seqs, tmp_path / f"p{pack}", config(batch_size=4, dense_depth1=0.5,
+                                                                      pack_sequences=pack))
+        assert [len(p) for p in trainer.packs(list(range(6)))] == ([1] * 6 if pack == 1 else [4, 2])
+        for _ in range(2):
+            trainer.train_step()
+        heads.append(trainer.head.state_dict())
+    for name, value in heads[0].items():
+        torch.testing.assert_close(heads[1][name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert len(Trainer(target, seqs, tmp_path / "d", config()).packs(list(range(3)))) == 3  # CPU: one each
+    with pytest.raises(JetFlowError, match="pack_sequences"):
+        config(pack_sequences=-1)

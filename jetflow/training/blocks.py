@@ -74,9 +74,27 @@ def answer_anchors(prompt_len: int, seq_len: int) -> torch.Tensor:
     return torch.arange(prompt_len, max(prompt_len, seq_len - 1))
 
 
-def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool) -> BlockMask:
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool,
+                  starts: torch.Tensor | None = None) -> BlockMask:
     """The mask of K blocks over [context positions 0..T-1, all K*B block slots]: each slot sees the
-    prefix before its own anchor and the slots of its own block (causal: those up to itself)."""
-    ctx = torch.arange(seq_len)[None, :] < anchors.repeat_interleave(block_size)[:, None]  # [K*B, T]
+    prefix before its own anchor and the slots of its own block (causal: those up to itself).
+    ``starts`` [K]: where each block's sequence begins in a context of several sequences packed one
+    after another (:func:`pack_blocks`); a block then sees context positions starts..anchor-1."""
+    col = torch.arange(seq_len)[None, :]
+    ctx = col < anchors.repeat_interleave(block_size)[:, None]  # [K*B, T]
+    if starts is not None:
+        ctx &= col >= starts.repeat_interleave(block_size)[:, None]
     inner = torch.ones(block_size, block_size, dtype=torch.bool)
     return BlockMask(ctx, inner.tril() if causal else inner)
+
+
+def pack_blocks(blocks: list[BlockBatch], lengths: list[int]) -> tuple[BlockBatch, torch.Tensor]:
+    """The blocks of several sequences as one batch over their contexts laid end to end (sequence
+    i's positions start at sum(lengths[:i])): anchors move to packed coordinates, positions (the
+    rotary ones) stay each sequence's own. Returns the batch and each block's context start [K]."""
+    offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    shift = torch.cat([torch.full((len(b.anchors),), int(o)) for b, o in zip(blocks, offsets)])
+    cat = lambda name: torch.cat([getattr(b, name) for b in blocks])  # noqa: E731
+    packed = BlockBatch(cat("anchors") + shift, cat("block_ids"), cat("positions"), cat("teacher_index"),
+                        cat("labels"), cat("loss_mask"), cat("depth"))
+    return packed, shift

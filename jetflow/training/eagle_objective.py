@@ -56,35 +56,49 @@ def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, st
     return outs
 
 
-def eagle_sequence_loss(trainer, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-    """Loss and per-step agreement of one sequence (the EAGLE counterpart of the block loss): the
-    chains of ``anchors_per_seq`` random answer positions, unrolled ``ttt_steps`` deep (default: the
-    head's deepest level)."""
-    c, head, device = trainer.config, trainer.head, trainer.target.device
-    steps = c.ttt_steps or head.max_depth
+def _eagle_plan(trainer, index: int, generator: torch.Generator, steps: int):
+    """One sequence's anchors and its (step, positions) rows, and the positions the teacher teaches."""
     seq = trainer.sequences[index]
-    tokens = torch.tensor(seq.token_ids)
-    length, start = len(tokens), seq.prompt_len
-    anchors = sample_anchors(start, length, c.anchors_per_seq, generator)
+    length = len(seq.token_ids)
+    anchors = sample_anchors(seq.prompt_len, length, trainer.config.anchors_per_seq, generator)
     if anchors.numel() == 0:
         raise ValueError(f"sequence {seq.prompt_id} has no answer position to learn")
-    with torch.no_grad():
-        embeds = trainer.embed(tokens.to(device))
     # Step j of the chain at anchor a sits at a+j and predicts token a+j+1, taught by the target at a+j.
     rows = [(step, (anchors + step)[anchors + step <= length - 2]) for step in range(steps)]
     rows = [(step, pos) for step, pos in rows if len(pos)]
-    teach_pos = torch.cat([pos for _, pos in rows])
-    features, teacher = trainer.teacher.fetch(index, seq, teach_pos)
-    states = ttt_states(head, embeds, features, len(rows), anchors)
-    sel_states = torch.cat([states[0][pos.to(device)] if step == 0 else states[step][:len(pos)]
-                            for step, pos in rows])
-    logits = head.logits(sel_states, trainer.lm_weight)
-    labels = tokens[teach_pos + 1]
-    if trainer.label_index is not None:
-        labels = trainer.label_index[labels]
-    depth = torch.cat([torch.full((len(pos),), step + 1) for step, pos in rows])
-    usable = labels >= 0 if c.loss == "sft" else torch.ones(len(labels), dtype=torch.bool)
-    loss = block_loss(logits, teacher, labels.clamp(min=0).to(device), usable.to(device), depth.to(device),
-                      c.loss, c.kl_temperature, c.gamma)
-    agree = (logits.argmax(-1) == teacher.argmax(-1)).float()
-    return loss, {"depth": depth, "agree": agree.detach().cpu()}
+    return seq, anchors, rows, torch.cat([pos for _, pos in rows])
+
+
+def eagle_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple[torch.Tensor, dict]:
+    """Loss [S] and per-step agreement of the sequences of a micro-batch (the EAGLE counterpart of
+    the block loss): for each, the chains of ``anchors_per_seq`` random answer positions, unrolled
+    ``ttt_steps`` deep (default: the head's deepest level). The target runs once for all of them;
+    the head's unrolled steps run per sequence."""
+    c, head, device = trainer.config, trainer.head, trainer.target.device
+    steps = c.ttt_steps or head.max_depth
+    plans = [_eagle_plan(trainer, index, g, steps) for index, g in items]
+    features, teacher = trainer.teacher.fetch_many([(index, seq, teach_pos) for (index, _), (seq, _, _, teach_pos)
+                                                    in zip(items, plans)])
+    losses, depths, agrees, segments, row = [], [], [], [], 0
+    for i, ((seq, anchors, rows, teach_pos), feats) in enumerate(zip(plans, features)):
+        tokens = torch.tensor(seq.token_ids)
+        seq_teacher = teacher[row:row + len(teach_pos)]
+        row += len(teach_pos)
+        with torch.no_grad():
+            embeds = trainer.embed(tokens.to(device))
+        states = ttt_states(head, embeds, feats, len(rows), anchors)
+        sel_states = torch.cat([states[0][pos.to(device)] if step == 0 else states[step][:len(pos)]
+                                for step, pos in rows])
+        logits = head.logits(sel_states, trainer.lm_weight)
+        labels = tokens[teach_pos + 1]
+        if trainer.label_index is not None:
+            labels = trainer.label_index[labels]
+        depth = torch.cat([torch.full((len(pos),), step + 1) for step, pos in rows])
+        usable = labels >= 0 if c.loss == "sft" else torch.ones(len(labels), dtype=torch.bool)
+        losses.append(block_loss(logits, seq_teacher, labels.clamp(min=0).to(device), usable.to(device),
+                                 depth.to(device), c.loss, c.kl_temperature, c.gamma))
+        depths.append(depth)
+        agrees.append((logits.argmax(-1) == seq_teacher.argmax(-1)).float().detach().cpu())
+        segments.append(torch.full((len(depth),), i))
+    return torch.stack(losses), {"depth": torch.cat(depths), "agree": torch.cat(agrees),
+                                 "sequence": torch.cat(segments)}

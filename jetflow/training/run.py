@@ -26,6 +26,11 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
         print(f"--init-from {path}: block {c.block_size} -> {config.block_size} (depth embeddings 0.."
               f"{config.block_size - 1} kept)", file=sys.stderr)
         c = head.config
+    if config.shift_tokens and config.path_projection and not (c.shift_tokens or c.path_projection) and c.kind == "block":
+        head = add_path_projection(head)
+        print(f"--init-from {path}: slots read their parent's token through a new path projection "
+              "(zero-initialised)", file=sys.stderr)
+        c = head.config
     vocab = c.draft_vocab_size if c.reduced_vocab else 0
     wanted = {"layers": (c.num_hidden_layers, config.layers), "block-size": (c.block_size, config.block_size),
               "attention": (c.attention, config.attention), "draft-vocab": (vocab, config.draft_vocab),
@@ -39,6 +44,20 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
     if bad:
         raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))
     return head
+
+
+def add_path_projection(head: DraftHead) -> DraftHead:
+    """The same block head with ``shift_tokens`` and a path projection, its other weights kept. The
+    projection's linear starts at zero: slot j >= 1 then reads nothing where it read the MASK
+    embedding (a constant, small next to the anchor and context inputs every slot gets), so the
+    first pass starts close to the old head's and training teaches the projection to read the path."""
+    config = dataclasses.replace(head.config, shift_tokens=True, path_projection=True, tree_calibration=None)
+    new = type(head)(config).to(head.fc.weight.dtype)
+    missing, unexpected = new.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("path_proj.") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        new.path_proj[-1].weight.zero_()
+    return new
 
 
 def shrink_block(head: DraftHead, block_size: int) -> DraftHead:

@@ -22,10 +22,18 @@ class OnlineTeacher:
         self.target, self.draft_ids = target, draft_ids
 
     def fetch(self, index: int, seq: Sequence, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features, logits = self.target.features_and_logits(seq.token_ids, positions)
+        features, teacher = self.fetch_many([(index, seq, positions)])
+        return features[0], teacher
+
+    def fetch_many(self, requests: list[tuple[int, Sequence, torch.Tensor]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Features of each requested sequence and the teacher at its positions, all rows
+        concatenated in request order, from one target forward over all of them."""
+        features, logits = self.target.features_and_logits_many([s.token_ids for _, s, _ in requests],
+                                                                 [p for _, _, p in requests])
         if self.draft_ids is not None:
             logits = logits[:, self.draft_ids.to(logits.device)]
-        return features.float().clone(), logits.log_softmax(-1)  # clone: inference tensors cannot enter autograd
+        # clone: inference tensors cannot enter autograd
+        return [f.float().clone() for f in features], logits.log_softmax(-1)
 
 
 def dense_from_topk(ids: torch.Tensor, logprobs: torch.Tensor, draft_index: torch.Tensor | None,
@@ -60,3 +68,8 @@ class CachedTeacher:
             raise IndexError(f"teacher positions {positions.tolist()} are outside the cached answer span")
         teacher = dense_from_topk(ids[rows], logprobs[rows], self.draft_index, self.draft_vocab)
         return features.float().to(self.device), teacher.to(self.device)
+
+    def fetch_many(self, requests: list[tuple[int, Sequence, torch.Tensor]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`OnlineTeacher.fetch_many`'s answer, read from the cache."""
+        fetched = [self.fetch(*r) for r in requests]
+        return [f for f, _ in fetched], torch.cat([t for _, t in fetched])

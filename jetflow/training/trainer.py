@@ -25,16 +25,17 @@ from jetflow.models.checkpoint import new_head
 from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig
 from jetflow.models.draft_vocab import select_draft_vocab, target_to_draft_index, token_counts
 from jetflow.models.target import TargetModel
-from jetflow.training.block_objective import block_sequence_loss
-from jetflow.training.eagle_objective import eagle_sequence_loss
+from jetflow.training.block_objective import block_batch_loss
+from jetflow.training.eagle_objective import eagle_batch_loss
 from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
 from jetflow.training.teacher_cache import TeacherCache, tokens_digest
 from jetflow.utils.fs import replace_directory
 
-# Head kind -> loss of one sequence (the block head drafts all depths at once; the EAGLE head is unrolled).
-OBJECTIVES = {"block": block_sequence_loss, "eagle3": eagle_sequence_loss}
+# Head kind -> the loss of each sequence of a micro-batch (the block head drafts all depths at once;
+# the EAGLE head is unrolled).
+OBJECTIVES = {"block": block_batch_loss, "eagle3": eagle_batch_loss}
 AMP_DTYPES = {"": None, "bfloat16": torch.bfloat16}  # fp16 would need a gradient scaler
 EVAL_SEQUENCES = 16  # sequences a run holds out (at most a fifth of them): eval loss, agreement, `jetflow calibrate --held-out`
 
@@ -83,6 +84,10 @@ class TrainConfig:
     # Mixed precision of the head's forward and backward ("bfloat16"; "" = off). The weights, the
     # optimizer and the losses stay fp32; on CPUs with AMX a bf16 matmul is ~8x an fp32 one.
     amp: str = ""
+    # Sequences per target and head forward (packed end to end; the same losses either way, tested).
+    # 0: the whole micro-batch on a GPU, where per-sequence forwards are bound by kernel launches,
+    # and 1 on the CPU, where packing pays for padding and a wider attention (benchmarks/bench_train_step.py).
+    pack_sequences: int = 0
     # Wall-clock training budget in seconds (0 = off): training stops once it is spent, and the
     # cosine schedule follows time as well as steps, so a budgeted run still ends at a low rate.
     # For comparisons at equal training time between heads whose steps cost differently.
@@ -123,6 +128,8 @@ class TrainConfig:
         if self.path_projection and not self.shift_tokens:
             raise JetFlowError("--path-projection projects the token a slot reads from the slot before it: it needs "
                                "--shift-tokens")
+        if self.pack_sequences < 0:
+            raise JetFlowError(f"pack_sequences must be >= 0 (0 = by device), got {self.pack_sequences}")
         if self.amp not in AMP_DTYPES:
             raise JetFlowError(f"amp must be one of {sorted(AMP_DTYPES)} ('' = off), got {self.amp!r}")
         if self.max_seconds < 0:
@@ -271,10 +278,21 @@ class Trainer:
         return [(start + k, self.train_set[i]) for k, i in enumerate(order[start:start + c.batch_size].tolist())]
 
     # ------------------------------------------------------------------ one sequence
-    def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    def batch_loss(self, items: list[tuple[int, torch.Generator]]) -> tuple[torch.Tensor, dict]:
+        """The loss of each sequence [S] of ``items`` (sequence index, the generator its anchors come
+        from), computed together, and the per-depth agreement of their slots."""
         amp = AMP_DTYPES[self.config.amp]
         with torch.autocast(self.target.device.type, dtype=amp, enabled=amp is not None):
-            return OBJECTIVES[self.head.kind](self, index, generator)
+            return OBJECTIVES[self.head.kind](self, items)
+
+    def packs(self, items: list) -> list[list]:
+        """``items`` in groups of the sequences that share one forward (``pack_sequences``)."""
+        size = self.config.pack_sequences or (1 if self.target.device.type == "cpu" else len(items))
+        return [items[i:i + size] for i in range(0, len(items), max(1, size))]
+
+    def sequence_loss(self, index: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        loss, info = self.batch_loss([(index, generator)])
+        return loss[0], info
 
     def train_step(self) -> float:
         c = self.config
@@ -285,12 +303,13 @@ class Trainer:
         total = torch.zeros(())
         global_batch = c.batch_size * self.world
         for micro in range(c.grad_accum):
-            for slot, index in self.batch_for(self.step, micro):
-                # Anchors depend on the sequence's place in the global batch, not on the process.
-                g = torch.Generator().manual_seed((c.seed * 1_000_003 + self.step) * 65_537 + slot)
-                loss, _ = self.sequence_loss(index, g)
-                (loss * self.world / (global_batch * c.grad_accum)).backward()
-                total += float(loss.detach()) / (global_batch * c.grad_accum)
+            # Anchors depend on the sequence's place in the global batch, not on the process.
+            items = [(index, torch.Generator().manual_seed((c.seed * 1_000_003 + self.step) * 65_537 + slot))
+                     for slot, index in self.batch_for(self.step, micro)]
+            for pack in self.packs(items):
+                losses, _ = self.batch_loss(pack)
+                (losses.sum() * self.world / (global_batch * c.grad_accum)).backward()
+                total += float(losses.detach().sum()) / (global_batch * c.grad_accum)
         if self.world > 1:  # data parallel: average the gradients of all processes (gloo or nccl)
             for p in self.head.parameters():
                 if p.grad is not None:
@@ -308,9 +327,10 @@ class Trainer:
         self.head.eval()
         g = torch.Generator().manual_seed(12345)
         losses, depth_hits, depth_counts = [], {}, {}
-        for index in self.eval_set:
-            loss, info = self.sequence_loss(index, g)
-            losses.append(float(loss))
+        # One generator for all, drawn from in order: the same anchors whatever the packing.
+        for pack in self.packs([(index, g) for index in self.eval_set]):
+            loss, info = self.batch_loss(pack)
+            losses.extend(loss.tolist())
             for d, a in zip(info["depth"].tolist(), info["agree"].tolist()):
                 depth_hits[d] = depth_hits.get(d, 0) + a
                 depth_counts[d] = depth_counts.get(d, 0) + 1
