@@ -310,9 +310,9 @@ def test_online_teacher_batches_sequences_into_one_target_forward(target, data):
     requests = [(i, seqs[i], torch.arange(seqs[i].prompt_len, len(seqs[i].token_ids) - 1 - i % 2)) for i in (2, 0, 5)]
     features, rows = teacher.fetch_many(requests)
     alone = [teacher.fetch(*r) for r in requests]
-    for f, (want, _) in zip(features, alone):
-        torch.testing.assert_close(f, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rows, torch.cat([t for _, t in alone]), atol=1e-5, rtol=1e-5)
+    for f, (want, _) in zip(features, alone):  # fp32 matmuls of other shapes: equal up to rounding
+        torch.testing.assert_close(f, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rows, torch.cat([t for _, t in alone]), atol=1e-4, rtol=1e-4)
     assert rows.shape == (sum(len(p) for _, _, p in requests), 6)
 
 
