@@ -100,6 +100,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _replay_passes(text: str) -> int | str:
+    """eval-offline's --refine-passes: N >= 0 path passes, or 'tree' / 'tree:N'."""
+    return _refine_mode(text) if text.startswith("tree") else _non_negative_int(text)
+
+
 def _budget(text: str) -> int | str:
     return "auto" if text == "auto" else _non_negative_int(text)
 
@@ -594,9 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--no-refine", action="store_true",
                    help="replay only the first head pass of heads trained for the path-conditioned second pass")
-    o.add_argument("--refine-passes", type=_non_negative_int, default=None, metavar="N",
+    o.add_argument("--refine-passes", type=_replay_passes, default=None, metavar="N|tree[:N]",
                    help="replay N path-conditioned passes, each on the path the one before chose (default: 1 for "
-                        "heads trained for it)")
+                        "heads trained for it); 'tree': the pass conditioning every node of the round's first "
+                        "tree, 'tree:N' N of them (as `jetflow bench --refine`)")
     o.add_argument("--lookup", action="store_true",
                    help="trees merged with the prompt-lookup chain, as the default decoder builds them "
                         "(rounds where decoding puts them); the lookup calibration starts fresh per sequence")

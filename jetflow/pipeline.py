@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,8 +59,9 @@ class JetFlow:
         """The budget chooser of ``budget="auto"``: made on first use from the machine's cost curve
         (measured once, then read from ``cost_cache``); its acceptance counts persist across calls."""
         if self._adaptive is None:
-            self._adaptive = AdaptiveBudget(CostCurve(cached_costs(self.target, self.drafter, self.cost_cache,
-                                                                    width=self.width)))
+            costs = cached_costs(self.target, self.drafter, self.cost_cache, width=self.width,
+                                 log=lambda m: print(f"jetflow: {m}", file=sys.stderr))
+            self._adaptive = AdaptiveBudget(CostCurve(costs))
         return self._adaptive
 
     @classmethod

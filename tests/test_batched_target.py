@@ -241,6 +241,45 @@ def test_batched_drafting_equals_one_by_one(target, solo, attention, int8):
     assert [t.tokens for t in trees] == [t.tokens for t in alone]
 
 
+@pytest.mark.parametrize("shift", [True, False])
+def test_batched_path_passes_equal_one_by_one(solo, shift):
+    """A head trained for the path-conditioned pass: propose_many runs every request's path pass in one
+    head forward too (chains padded to the longest, heads that shift tokens; the q-slot layout of
+    other heads runs one by one), and each request gets the rows and the tree it gets alone, with and
+    without lookup merged in, with one pass and with three."""
+    from jetflow.decoding.drafter import make_drafter, propose_many
+
+    torch.manual_seed(1)
+    config = DraftHeadConfig.for_target(solo, block_size=6, feed_last_feature=True, depth_embedding=True,
+                                        shift_tokens=shift, path_projection=shift)
+    config.path_refine = True
+    head = DraftHead(config)
+    with torch.no_grad():  # weights large enough that the path's tokens move the rows
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    rng = random.Random(2)
+    contexts = [solo.prefill([rng.randrange(3, 200) for _ in range(n)]).hidden for n in (5, 13, 9)]
+    for passes, lookup in ((1, False), (1, True), (3, False)):
+        drafters = [make_drafter(head, solo, lookup=lookup, refine=passes) for _ in contexts]
+        for d, hidden in zip(drafters, contexts):
+            d.extend(hidden)
+        anchors, positions = [5, 6, 7], [len(h) for h in contexts]
+        rooms, nodes = [20, 3, 20], [12, 12, 2]  # depths 5, 3 and 2
+        calls = []
+        hook = head.register_forward_hook(lambda *_: calls.append(1))
+        together = propose_many(drafters, anchors, positions, rooms, [3] * 3, nodes)
+        hook.remove()
+        # one forward for the first passes, then one per path pass (or per request's pass without shift)
+        assert len(calls) <= 1 + passes if shift else len(calls) >= 1 + len(contexts)
+        alone = [d.propose(a, p, r, 3, n) for d, a, p, r, n in zip(drafters, anchors, positions, rooms, nodes)]
+        for t, a, n, depth in zip(together, alone, nodes, (5, 3, 2)):
+            ht, ha = (t.primary, a.primary) if lookup else (t, a)
+            assert ht.rows.shape[0] == ha.rows.shape[0] == 2 * depth - 1  # first pass + depths 2..D after the path
+            torch.testing.assert_close(ht.rows, ha.rows, atol=1e-4, rtol=1e-4)
+            assert t.tree(n).tokens == a.tree(n).tokens
+
+
 def test_a_lone_request_gets_the_single_stream_budget():
     """With one request in the batch the load budget is the single-stream policy: same draft size,
     same choice, and the same plain/drafted decisions once drafting stops paying."""

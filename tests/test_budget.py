@@ -1,6 +1,7 @@
 """Adaptive budget: tree prefixes, expected tokens, the choice, the statistics, and losslessness."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import jetflow
 from jetflow.decoding import costs as costs_mod
 from jetflow.decoding.budget import AdaptiveBudget, ChainOffer
 from jetflow.decoding.costs import CostCurve
+from jetflow.decoding.drafter import make_drafter
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.tree.build import DraftTree, build_tree
@@ -96,14 +98,65 @@ def test_auto_budget_is_lossless_and_its_cost_curve_is_cached(tiny_dir, tmp_path
     jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
     ar = jetflow.generate(target, "hello", max_new_tokens=24)
     spec = jf.generate("hello", max_new_tokens=24)
+    measured = len(calls)  # 1, or up to 3 when a tiny model's timings look disturbed (see cached_costs)
+    assert 1 <= measured <= 3
     assert spec.token_ids == ar.token_ids and spec.stats["budget"] == "auto"
     sampled = [jf.generate("hi", max_new_tokens=16, temperature=0.9, seed=s).token_ids for s in (1, 1)]
     assert sampled[0] == sampled[1]
     again = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
     assert again.generate("hello", max_new_tokens=24).token_ids == ar.token_ids
-    assert len(calls) == 1 and len(list(tmp_path.glob("costs-*.json"))) == 1
+    assert len(calls) == measured and len(list(tmp_path.glob("costs-*.json"))) == 1  # read, not measured
     with pytest.raises(Exception, match="or 'auto'"):
         jetflow.JetFlow(target, head, budget="fast")
+
+
+def test_a_disturbed_cost_curve_is_measured_again_and_merged(tiny_dir, monkeypatch, tmp_path):
+    """A curve whose smaller tree costs far more than a bigger one, or whose one-token step moved
+    between start and end, was measured on a busy machine: it is measured again (up to three times)
+    and the attempts merged point by point at their least; an old cached file that fails the check
+    is measured again, a checked one is read as is."""
+    good = {"c1_ms": 10.0, "c1_after_ms": 10.5, "verify_ms": {1: 18.0, 2: 25.0, 8: 70.0},
+            "verify_ratio": {}, "draft_ms": {1: 5.0, 8: 6.0}, "context": 8, "reps": 1}
+    busy = {**good, "c1_ms": 73.0, "c1_after_ms": 12.0, "verify_ms": {1: 77.0, 2: 3556.0, 8: 415.0},
+            "draft_ms": {1: 268.0, 8: 7.0}}
+    assert costs_mod.disturbance(good) is None
+    assert "start" in costs_mod.disturbance(busy)
+    assert "verify_ms[2]" in costs_mod.disturbance({**busy, "c1_after_ms": 73.0})
+    assert "draft_ms[1]" in costs_mod.disturbance({**good, "draft_ms": {1: 268.0, 8: 7.0}})
+    merged = costs_mod.least_costs([busy, good])
+    assert merged["c1_ms"] == 10.0 and merged["verify_ms"] == {1: 18.0, 2: 25.0, 8: 70.0}
+    assert merged["draft_ms"] == {1: 5.0, 8: 6.0} and merged["attempts"] == 2 and merged["verify_ratio"][8] == 7.0
+
+    runs = iter([busy, busy, good, busy])
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: dict(next(runs)))
+    target = TargetModel.load(str(tiny_dir))
+    drafter = make_drafter(DraftHead(DraftHeadConfig.for_target(target, block_size=6)), target)
+    notes = []
+    costs = costs_mod.cached_costs(target, drafter, tmp_path, log=notes.append)
+    assert costs["attempts"] == 3 and costs["verify_ms"][2] == 25.0 and len(notes) == 2
+    assert costs_mod.cached_costs(target, drafter, tmp_path)["attempts"] == 3  # read back, not measured
+    (path,) = tmp_path.glob("costs-*.json")
+    stored = json.loads(path.read_text())
+    stored["costs"] = {k: v for k, v in busy.items()}  # as written before the check existed
+    path.write_text(json.dumps(stored))
+    assert costs_mod.cached_costs(target, drafter, tmp_path, attempts=1)["c1_ms"] == 12.0  # measured again
+
+
+def test_a_plain_step_is_timed_first_and_whenever_none_was_for_a_while():
+    """Every price is scaled by the plain steps' measured time, so a decoder times one at its first
+    round and again after max_explore_every rounds without one, even where drafts or chains pay."""
+    budget = AdaptiveBudget(curve(per_node_ms=0.1), max_explore_every=4)
+    tree = build_tree(torch.full((3, 5), math.log(0.2)), 1, 2, 2)
+    assert budget.plain_step_due()
+    budget.observe(DraftTree.root_only(1), [0], other_ms=0.1, verify_ms=9.0)
+    for _ in range(4):
+        assert not budget.plain_step_due()
+        budget.observe(tree, [0], other_ms=0.1, verify_ms=11.0)
+    assert budget.plain_step_due()
+    budget.observe(tree, [0])  # an untimed round (no verify time) counts for nothing
+    assert budget.plain_step_due()
+    budget.observe(DraftTree.root_only(1), [0], other_ms=0.1, verify_ms=9.0)
+    assert not budget.plain_step_due()
 
 
 def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():

@@ -108,6 +108,27 @@ def test_replayed_passes_equal_decoding_with_as_many(target, sequences, head, bu
     assert all(want is None or got == want for got, want in zip(replayed, decoded))
 
 
+@pytest.mark.parametrize("head", ["second-pass"], indirect=True)
+@pytest.mark.parametrize("budget, refine, lookup", [(3, "tree", False), (16, "tree", False), (40, "tree:2", False),
+                                                    (16, "tree", True)])
+def test_replayed_tree_passes_equal_decoding_with_them(target, sequences, head, budget, refine, lookup):
+    """The tree-conditioned pass (its slots are the nodes of each round's first tree, so its tree
+    depends on the budget), replayed per round and budget, and decoded; with lookup merged in too."""
+    result = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1, 2], [budget], 7,
+                                refine=refine, lookup=lookup)
+    decoded = []
+    for seq in sequences:
+        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=lookup, refine=refine)
+        decoded += [n - 1 for n in decode_rounds(target, head, seq, budget, 7, jf=jf)[:-1]] + [None]
+    replayed = result.depths[budget]
+    assert len(replayed) == len(decoded) and len(decoded) > 10
+    assert all(want is None or got == want for got, want in zip(replayed, decoded))
+    if budget >= 16:  # the pass changed what was accepted (so the comparison covers it)
+        plain = offline_acceptance(head, target, sequences, OnlineTeacher(target, None), [0, 1, 2], [budget], 7,
+                                   refine=0, lookup=lookup)
+        assert plain.depths[budget] != replayed
+
+
 @pytest.mark.parametrize("budget, width", [(1, 7), (4, 2), (16, 7)])
 def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, head, budget, width):
     """Head and lookup chain in one tree (the default decoder): the replay takes the same rounds,

@@ -161,25 +161,39 @@ class BlockDrafter:
 def head_logprobs_many(drafters: list[BlockDrafter], anchors: list[int], positions: list[int],
                        depths: list[int | None]) -> list[torch.Tensor]:
     """:meth:`BlockDrafter.head_logprobs` of several drafters of one head (one per request, each
-    with its own context) in ONE head forward: contexts padded to the longest and masked, every
-    block as long as the longest needed (a causal head's slot j never sees later slots, so each
-    request then reads its first slots). Equal to the one-by-one results up to float rounding."""
+    with its own context) in ONE head forward: every block as long as the longest needed (a causal
+    head's slot j never sees later slots, so each request then reads its first slots). Equal to the
+    one-by-one results up to float rounding."""
+    first = drafters[0]
+    slots = [d.slots(depth) for d, depth in zip(drafters, depths)]
+    b = max(slots)
+    ids = torch.full((len(drafters), b), first.head.config.mask_token_id, dtype=torch.long)
+    ids[:, 0] = torch.as_tensor(anchors, dtype=torch.long)
+    inner = first.head.block_mask(0)[:b, :b]
+    hidden = run_head_many(drafters, ids, positions, inner)
+    out = first._output_logprobs(hidden[:, 1:])
+    return [out[i, :n - 1] for i, n in enumerate(slots)]
+
+
+def run_head_many(drafters: list[BlockDrafter], ids: torch.Tensor, positions: list[int], inner: torch.Tensor,
+                  depths: torch.Tensor | None = None) -> torch.Tensor:
+    """Head states [R, S, H] of R drafters of one head in ONE forward: request i's S slots read
+    ``ids[i]`` from its anchor at ``positions[i]`` (each drafter's context must end right there) and see
+    its own context (padded to the longest and masked) and the slots ``inner`` [S, S] allows;
+    ``depths`` [S]: the slots form one tree (see DraftHead.forward), else one block."""
     first = drafters[0]
     device = first.head.fc.weight.device
     for d, position in zip(drafters, positions):
         d._project_pending()
         if position != d.context_len:
             raise RuntimeError(f"draft context holds {d.context_len} tokens but the anchor is at {position}")
-    slots = [d.slots(depth) for d, depth in zip(drafters, depths)]
-    b, r = max(slots), len(drafters)
+    r, s = ids.shape
     c = max(d.context_len for d in drafters)
-    ids = torch.full((r, b), first.head.config.mask_token_id, dtype=torch.long, device=device)
-    ids[:, 0] = torch.as_tensor(anchors, dtype=torch.long, device=device)
-    pos = torch.as_tensor(positions, device=device)[:, None] + torch.arange(b, device=device)
+    offsets = torch.arange(s, device=device) if depths is None else depths.to(device)
+    pos = torch.as_tensor(positions, device=device)[:, None] + offsets
     lengths = torch.as_tensor([d.context_len for d in drafters], device=device)
-    inner = first.head.block_mask(0, device)[:b, :b]
-    mask = torch.cat([(torch.arange(c, device=device) < lengths[:, None])[:, None, :].expand(r, b, c),
-                      inner.expand(r, b, b)], dim=-1)
+    mask = torch.cat([(torch.arange(c, device=device) < lengths[:, None])[:, None, :].expand(r, s, c),
+                      inner.to(device).expand(r, s, s)], dim=-1)
     context_kv = []
     for layer in range(len(first.context_kv)):
         k0, v0 = first.context_kv[layer]
@@ -190,9 +204,8 @@ def head_logprobs_many(drafters: list[BlockDrafter], anchors: list[int], positio
             k[i, :, :d.context_len], v[i, :, :d.context_len] = dk, dv
         context_kv.append((k, v))
     last = torch.stack([d.last_feature for d in drafters])[:, None, :]
-    hidden = first.run_head(first.embed(ids), pos, context_kv, mask, last)
-    out = first._output_logprobs(hidden[:, 1:])
-    return [out[i, :n - 1] for i, n in enumerate(slots)]
+    return first.run_head(first.embed(ids.to(device)), pos, context_kv, mask, last,
+                          **({} if depths is None else {"depths": depths.to(device)}))
 
 
 def to_target_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None,

@@ -87,6 +87,7 @@ class AdaptiveBudget:
         self._curve = [costs.c1_ms] + [costs.verify_ms(n) for n in range(1, max_budget + 1)]
         self._draft = [costs.draft_ms(n) for n in range(max_budget + 1)]
         self._plain_scale, self._tree_rel, self._scale_count = 1.0, 1.0, [0, 0]  # counts: [plain, trees]
+        self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
         self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
@@ -152,6 +153,15 @@ class AdaptiveBudget:
     def verify_cost(self, n: int) -> float:
         """Milliseconds of a verify of n draft nodes (plus the root): measured, else predicted."""
         return self._curve[min(n, self.max_budget)] * self.verify_scales()[n > 0]
+
+    def plain_step_due(self) -> bool:
+        """Whether this round must be a plain step whatever pays: the first timed round, then one
+        whenever ``max_explore_every`` rounds in a row were not plain. Every price is scaled by the
+        plain steps' measured time (trees by a ratio to it), so a decoder whose rounds all draft or
+        verify lookup chains would otherwise never correct a cached curve measured on a busy
+        machine (seen: a one-token step cached at 73 ms that takes 13, which made every chain and
+        draft look cheap)."""
+        return self._since_plain is None or self._since_plain >= self.max_explore_every
 
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
@@ -280,6 +290,8 @@ class AdaptiveBudget:
             self._rounds += 1
             self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)
         if verify_ms is not None:
+            plain = len(tree) == 1
+            self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1
             self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
             followed = chain_followed(self._offer.tree.tokens[1:], tree, path)

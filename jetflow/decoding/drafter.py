@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from jetflow.decoding.block_drafter import BlockDrafter, head_logprobs_many
+from jetflow.decoding.refine import refined_proposals
 from jetflow.decoding.eagle_drafter import EagleDrafter
 from jetflow.decoding.mixed_drafter import MixedDrafter
 from jetflow.models.backend import TargetBackend
@@ -64,20 +65,26 @@ def propose_many(drafters: list[Drafter], anchors: list[int], positions: list[in
     per request of a batch) sharing ONE head forward; other drafters propose one by one."""
     proposals: list[Proposal | None] = [None] * len(drafters)
     base = [d.primary if isinstance(d, MixedDrafter) else d for d in drafters]
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}  # (head, path passes) -> requests
     for i, d in enumerate(base):
         # int8 drafts quantize each call's activations with one scale: batched, a request's draft
         # would depend on its batch-mates, so they run one by one.
-        if isinstance(d, BlockDrafter) and not d.int8 and not d.refine:  # (a second pass: one by one)
-            groups.setdefault(id(d.head), []).append(i)
+        # The tree-conditioned pass (one tree of slots per request) runs one by one; path passes batch.
+        if isinstance(d, BlockDrafter) and not d.int8 and not d.refine_tree:
+            groups.setdefault((id(d.head), d.refine), []).append(i)
     for members in groups.values():
         if len(members) < 2:
             continue
         depths = [min(rooms[i], max_nodes[i]) if max_nodes[i] is not None else rooms[i] for i in members]
         logprobs = head_logprobs_many([base[i] for i in members], [anchors[i] for i in members],
                                       [positions[i] for i in members], depths)
-        for i, lp in zip(members, logprobs):
-            head = base[i].proposal(lp[:rooms[i]], anchors[i], widths[i])
+        heads = {i: base[i].proposal(lp[:rooms[i]], anchors[i], widths[i]) for i, lp in zip(members, logprobs)}
+        refined = [i for i in members if base[i].refine and heads[i].depth_logprobs.shape[0] >= 2]
+        if refined:  # as BlockDrafter.propose: the path-conditioned passes, batched too
+            heads.update(zip(refined, refined_proposals(
+                [base[i] for i in refined], [anchors[i] for i in refined], [positions[i] for i in refined],
+                [heads[i].depth_logprobs for i in refined], [widths[i] for i in refined], base[refined[0]].refine)))
+        for i, head in heads.items():
             d = drafters[i]
             proposals[i] = (d.propose(anchors[i], positions[i], rooms[i], widths[i], max_nodes[i], primary=head)
                             if isinstance(d, MixedDrafter) else head)

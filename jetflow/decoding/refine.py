@@ -126,14 +126,12 @@ class RefinedProposal:
 
 
 def path_hidden(drafter, anchor: int, position: int, path: list[int], d: int) -> torch.Tensor:
-    """Head states [D-1, H] of depths 2..D after the path t1..tj (row j-1: after t1..tj)."""
-    head = drafter.head
-    mask_id = head.config.mask_token_id
-    if head.config.shift_tokens:  # the causal block [anchor, t1..t(D-1), MASK] as a chain; slot j+1 reads t_j
-        return slots_hidden(drafter, [anchor, anchor] + path[: d - 1], list(range(-1, d)), list(range(d + 1)),
-                            position)[2:]
+    """Head states [D-1, H] of depths 2..D after the path t1..tj (row j-1: after t1..tj), for a head
+    that does not shift tokens: its q slots (:func:`refine_layout`). Heads that shift tokens run the
+    plain causal chain instead (:func:`paths_hidden`)."""
     parents, depths = refine_layout(d)
-    return slots_hidden(drafter, [anchor] + path[: d - 1] + [mask_id] * (d - 1), parents, depths, position)[d:]
+    return slots_hidden(drafter, [anchor] + path[: d - 1] + [drafter.head.config.mask_token_id] * (d - 1), parents,
+                        depths, position)[d:]
 
 
 def slots_hidden(drafter, tokens: list[int], parents: list[int], depths: list[int], position: int) -> torch.Tensor:
@@ -147,28 +145,65 @@ def slots_hidden(drafter, tokens: list[int], parents: list[int], depths: list[in
                             drafter.context_kv, mask, drafter.last_feature, depths=depth_t)
 
 
+def paths_hidden(drafters, anchors: list[int], positions: list[int], paths: list[list[int]],
+                 depths: list[int]) -> list[torch.Tensor]:
+    """:func:`path_hidden` of several drafters of one head. A head that shifts tokens runs them in ONE
+    head forward: each request's chain [anchor, anchor, t1..t(D-1)] padded to the longest (a chain
+    slot never sees the slots after it); any other head's passes run one by one."""
+    if not drafters[0].head.config.shift_tokens:
+        return [path_hidden(*args) for args in zip(drafters, anchors, positions, paths, depths)]
+    from jetflow.decoding.block_drafter import run_head_many  # (block_drafter imports this module)
+
+    s = max(depths) + 1
+    ids = torch.full((len(drafters), s), drafters[0].head.config.mask_token_id, dtype=torch.long)
+    for i, (anchor, path, d) in enumerate(zip(anchors, paths, depths)):
+        ids[i, : d + 1] = torch.tensor([anchor, anchor] + path[: d - 1])
+    hidden = run_head_many(drafters, ids, positions, ancestor_matrix(list(range(-1, s - 1))),
+                           depths=torch.arange(s))
+    return [hidden[i, 2:d + 1] for i, d in enumerate(depths)]
+
+
 @torch.inference_mode()
 def refined_proposal(drafter, anchor: int, position: int, first: torch.Tensor, width: int,
                      passes: int = 1) -> RefinedProposal:
     """``passes`` path-conditioned passes after ``first`` [D, Vd], the first pass's rows from ``anchor``
     at ``position`` (the drafter's context must end right before it); the tree takes the last one's
     rows. Further passes stop early once the path is a fixed point."""
-    d = first.shape[0]
+    return refined_proposals([drafter], [anchor], [position], [first], [width], passes)[0]
 
-    def target_ids(draft: torch.Tensor) -> list[int]:
-        return (draft if drafter.draft_ids is None else drafter.draft_ids[draft]).tolist()
 
-    path_ids = first.argmax(-1)
-    if d < 2:
-        return RefinedProposal(first, path_rows(d, []), anchor, width, drafter.draft_ids, target_ids(path_ids))
+@torch.inference_mode()
+def refined_proposals(drafters, anchors: list[int], positions: list[int], firsts: list[torch.Tensor],
+                      widths: list[int], passes: int = 1) -> list[RefinedProposal]:
+    """:func:`refined_proposal` of several requests of one head (each drafter with its own context),
+    each pass of all of them in one head forward where the head allows (:func:`paths_hidden`)."""
+    def target_ids(i: int, draft: torch.Tensor) -> list[int]:
+        ids = drafters[i].draft_ids
+        return (draft if ids is None else ids[draft]).tolist()
+
+    depths = [f.shape[0] for f in firsts]
+    path_ids = [f.argmax(-1) for f in firsts]
+    after: list[torch.Tensor | None] = [None] * len(firsts)
+    live = [i for i, d in enumerate(depths) if d >= 2]
     for n in range(passes):
-        after = drafter._output_logprobs(path_hidden(drafter, anchor, position, target_ids(path_ids), d))
-        nxt = repath(path_ids, after)
-        if n + 1 == passes or torch.equal(nxt, path_ids):
+        if not live:
             break
-        path_ids = nxt
-    path = target_ids(path_ids)
-    return RefinedProposal(torch.cat([first, after]), path_rows(d, path), anchor, width, drafter.draft_ids, path)
+        hidden = paths_hidden([drafters[i] for i in live], [anchors[i] for i in live], [positions[i] for i in live],
+                              [target_ids(i, path_ids[i]) for i in live], [depths[i] for i in live])
+        still = []
+        for i, h in zip(live, hidden):
+            after[i] = drafters[i]._output_logprobs(h)
+            nxt = repath(path_ids[i], after[i])
+            if n + 1 < passes and not torch.equal(nxt, path_ids[i]):
+                path_ids[i] = nxt
+                still.append(i)
+        live = still
+    proposals = []
+    for i, (first, d) in enumerate(zip(firsts, depths)):
+        path = target_ids(i, path_ids[i])
+        rows = first if after[i] is None else torch.cat([first, after[i]])
+        proposals.append(RefinedProposal(rows, path_rows(d, path), anchors[i], widths[i], drafters[i].draft_ids, path))
+    return proposals
 
 
 @torch.inference_mode()

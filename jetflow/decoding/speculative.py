@@ -114,7 +114,9 @@ def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, 
     when drafting pays or explores."""
     with stats.timed("draft"):
         chain = adaptive.lookup_chain(drafter, root, room)
-    if may_draft and adaptive.should_draft(chain):
+    if adaptive.plain_step_due():  # re-times the step every other price is scaled by
+        chain = None
+    elif may_draft and adaptive.should_draft(chain):
         return None
     stats.round_kinds["plain" if chain is None else "lookup"] += 1
     return DraftTree.root_only(root) if chain is None else chain.tree

@@ -17,7 +17,9 @@ request). Also tested round by round against decoding.
 Only block heads: an autoregressive (eagle3) head drafts each depth from its own path, so its tree
 needs the decoding loop (``jetflow bench``). A head's path-conditioned second pass (decoding/refine.py)
 is replayed too when the head shifts tokens: it is then one more block per anchor, [anchor, first
-pass's path, MASK], batched like the first pass.
+pass's path, MASK], batched like the first pass. So is the tree-conditioned pass (``refine="tree[:N]"``),
+whose slots are the nodes of each round's first tree: it runs per round and per budget, through the
+decoder's own code (decoding/refine.py) over the sequence's context cut at the anchor.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from jetflow.data.shards import Sequence
-from jetflow.decoding.block_drafter import draft_logprobs
+from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
 from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, chain_followed
-from jetflow.decoding.refine import path_rows, repath
+from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
@@ -112,17 +114,42 @@ class OfflineAcceptance:
                 "depth_acceptance": [c / max(1, largest) for c in self.depth_reached]}
 
 
+class _DrafterAt:
+    """What the tree-conditioned pass (decoding/refine.py) reads from a decoding ``BlockDrafter``,
+    taken from a replayed sequence's context cut right before ``anchor``: the decoder's own pass
+    then runs unchanged."""
+
+    def __init__(self, rounds: "ReplayRounds", anchor: int):
+        fused, kv = rounds.context
+        self.head = self.run_head = rounds.head
+        self.embed, self.lm_weight, self.draft_ids = rounds.embed, rounds.lm_weight, rounds.head.draft_ids
+        self.context_kv = [(k[..., :anchor, :], v[..., :anchor, :]) for k, v in kv]
+        self.context_len, self.last_feature = anchor, fused[anchor - 1]
+
+    def _output_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return draft_logprobs(hidden, self.lm_weight)
+
+    def proposal(self, depth_logprobs: torch.Tensor, anchor: int, width: int) -> BlockProposal:
+        return BlockProposal(depth_logprobs, anchor, width, self.draft_ids)
+
+
 class ReplayRounds:
     """Accepted draft tokens of a round at any anchor of one sequence, for every budget.
 
     Per anchor, one best-first tree at the largest budget serves all budgets (a smaller budget's
     tree is its prefix), plus the chain. Head forwards run over chunks of anchors when a walk first
     reaches one. Trees live in the head's own vocabulary; the continuation is mapped into it (a token
-    outside a reduced vocabulary can never be drafted)."""
+    outside a reduced vocabulary can never be drafted).
+
+    With ``tree_refine`` N > 0, a round's tree depends on its budget (the pass conditions the first
+    tree of that budget), so each (anchor, budget) gets its own tree, in target ids."""
 
     def __init__(self, head, embed, lm_weight, draft_index, features, seq, largest: int, width: int,
-                 chunk: int = 16, refine: int = 0, calibration=None):  # small chunks: the block-to-block mask grows as chunk^2
+                 chunk: int = 16, refine: int = 0, calibration=None,
+                 tree_refine: int = 0):  # small chunks: the block-to-block mask grows as chunk^2
         self.head, self.embed, self.lm_weight, self.features = head, embed, lm_weight, features
+        self.tree_refine = tree_refine
+        self.first: dict[int, torch.Tensor] = {}  # anchor -> first-pass rows [B-1, Vd] (tree_refine only)
         self.tokens = torch.tensor(seq.token_ids)
         ids = self.tokens if draft_index is None else draft_index[self.tokens]
         self.ids = ids.tolist()  # the sequence in draft-vocabulary ids (-1: outside it)
@@ -164,6 +191,8 @@ class ReplayRounds:
             chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
             self.paths[a] = (path_nodes(tree, continuation), len(chain))
             self.trees[a] = tree
+            if self.tree_refine:  # all depths: decoding drafts past the data's end too
+                self.first[a] = logprobs[k]
 
     def _depth_logprobs(self, blocks) -> torch.Tensor:
         hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
@@ -178,7 +207,17 @@ class ReplayRounds:
     def accepted(self, anchor: int, budget) -> int:
         self._walk_to(anchor)
         tree, chain = self.paths[anchor]
+        if budget != CHAIN and self.tree_refine:
+            refined = self.tree_refined(anchor, budget).tree(budget)
+            return len(path_nodes(refined, self.tokens[anchor + 1:anchor + 1 + refined.max_depth].tolist()))
         return chain if budget == CHAIN else accepted_depth(tree, budget)
+
+    def tree_refined(self, anchor: int, budget: int):
+        """The tree-conditioned proposal of the round at ``anchor`` for ``budget`` nodes, as decoding
+        makes it (``BlockDrafter.propose`` with ``refine="tree[:N]"``)."""
+        first = self.first[anchor][:budget]  # a causal head drafts at most as deep as the budget
+        return tree_refined_proposal(_DrafterAt(self, anchor), int(self.tokens[anchor]), anchor, first, self.width,
+                                     budget, self.tree_refine)
 
     def accepted_with_lookup(self, anchor: int, budget: int, lookup_rates: LookupCalibration) -> int:
         """Draft tokens accepted from the head's tree merged with the lookup chain (as
@@ -187,8 +226,9 @@ class ReplayRounds:
         history = self.tokens[:anchor + 1].numpy()
         ngram, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
         root = int(self.tokens[anchor])
-        proposal = MixedProposal(_HeadTree(self.trees[anchor], root, self.draft_ids), root, chain,
-                                 lookup_rates.log_rates(ngram, len(chain)))
+        head = self.tree_refined(anchor, budget) if self.tree_refine else _HeadTree(self.trees[anchor], root,
+                                                                                    self.draft_ids)
+        proposal = MixedProposal(head, root, chain, lookup_rates.log_rates(ngram, len(chain)))
         tree = proposal.tree(budget)
         nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
         if chain and len(tree) > 1:
@@ -214,9 +254,10 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     separately per budget -- this reproduces decoding's tau. Otherwise each sequence gets
     ``anchors_per_seq`` random answer anchors (seeded), or the given ``anchors[i]``, shared by all
     budgets. A round near the end accepts at most the tokens left in the sequence. ``refine``:
-    replay the path-conditioned second pass (an int N: N passes, as decoding's ``refine=N``; None:
-    when decoding would run it, ``config.path_refine``); only for heads that shift tokens. The chain
-    stays the first pass's. ``lookup``: the trees hold the prompt-lookup chain too (decoding's
+    replay the path-conditioned second pass (an int N: N passes, as decoding's ``refine=N``; "tree"
+    or "tree:N": the tree-conditioned pass, as decoding's ``refine="tree[:N]"``; None: when decoding
+    would run it, ``config.path_refine``); only for heads that shift tokens. The chain stays the
+    first pass's. ``lookup``: the trees hold the prompt-lookup chain too (decoding's
     default; only where decoding puts the rounds), its calibration fresh per sequence as for a new
     request; with ``lookup_session`` its counts carry over from one sequence to the next, as when
     one ``JetFlow`` object answers them in order. ``calibrated``:
@@ -224,7 +265,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
-    refine = int(head.config.path_refine if refine is None else refine)  # passes after the first
+    tree_refine = tree_passes(refine)  # tree-conditioned passes ("tree[:N]"), else 0
+    refine = tree_refine or int(head.config.path_refine if refine is None else refine)  # passes after the first
     if refine and not (head.config.shift_tokens and head.config.attention == "causal"):
         raise JetFlowError("offline replay of the second pass needs a causal head trained with --shift-tokens; "
                            "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
@@ -251,8 +293,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
         if last < seq.prompt_len:
             continue
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
-        rounds = ReplayRounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width, refine=refine,
-                         calibration=calibration)
+        rounds = ReplayRounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width,
+                              refine=0 if tree_refine else refine, calibration=calibration, tree_refine=tree_refine)
         if walk:
             for arm in [*budgets, CHAIN]:
                 lookup_rates = None
@@ -327,7 +369,8 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
                                     lookup_session=lookup_session)
         results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
                               "lookup_session": lookup_session,
-                              "refine": int(head.config.path_refine if refine is None else refine),
+                              "refine": refine if tree_passes(refine) else
+                              int(head.config.path_refine if refine is None else refine),
                               "calibrated": calibrated and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
