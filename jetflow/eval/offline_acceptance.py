@@ -183,16 +183,17 @@ class ReplayRounds:
             continuation = self.ids[a + 1:a + self.block]
             d = len(continuation)
             depth_lp = logprobs[k, :d]
+            chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
+            if self.tree_refine:  # trees are built per budget (tree_refined); all depths: decoding drafts past the data's end
+                self.first[a], self.paths[a] = logprobs[k], ([], len(chain))
+                continue
             if second is None:
                 tree = build_tree(depth_lp, self.ids[a], self.largest, self.width, calibration=self.calibration)
             else:
                 rows = torch.cat([depth_lp, second[k, :d - 1]])
                 tree = build_tree_rows(rows, path_rows(d, path[k, :d].tolist()), self.ids[a], self.largest, self.width)
-            chain = path_nodes(build_tree(depth_lp, self.ids[a], depth_lp.shape[0], 1), continuation)
             self.paths[a] = (path_nodes(tree, continuation), len(chain))
             self.trees[a] = tree
-            if self.tree_refine:  # all depths: decoding drafts past the data's end too
-                self.first[a] = logprobs[k]
 
     def _depth_logprobs(self, blocks) -> torch.Tensor:
         hidden = blocks_forward(self.head, self.embed, self.features, blocks, self.context)
