@@ -269,6 +269,7 @@ def cmd_data_stats(args) -> int:
 
 def cmd_eval_offline(args) -> int:
     from jetflow.eval.offline_acceptance import evaluate_drafters
+    from jetflow.eval.replay_journal import journal_path
     from jetflow.utils.fs import write_json_atomic
 
     missing = [d for d in args.drafter if not Path(d).is_dir()]
@@ -278,13 +279,16 @@ def cmd_eval_offline(args) -> int:
     if min(budgets) < 1:
         raise JetFlowError(f"--budgets must be >= 1, got {args.budgets!r}")
     target = _load_jetflow_target(args, training=True)
+    journal = journal_path(args.out) if args.out else None  # an interrupted replay resumes from it
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
                                args.width, args.anchors_per_seq, args.seed, log=lambda m: print(m, file=sys.stderr),
                                refine=0 if args.no_refine else args.refine_passes,
                                lookup=args.lookup or args.lookup_session,
-                               calibrated=not args.no_calibration, lookup_session=args.lookup_session)
+                               calibrated=not args.no_calibration, lookup_session=args.lookup_session,
+                               journal=journal, progress=True)
     if args.out:
         write_json_atomic(args.out, report)
+        journal.unlink(missing_ok=True)
     print(json.dumps(report["drafters"]))
     return 0
 
@@ -611,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "as when one JetFlow object (a Python session, `jetflow bench`) answers them in order")
     o.add_argument("--no-calibration", action="store_true",
                    help="rank tree nodes by draft log-prob even for heads with a tree calibration (`jetflow calibrate`)")
-    o.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    o.add_argument("--out", type=Path, default=None,
+                   help="write the JSON report here; until it is written, finished sequences are kept in "
+                        "OUT.partial.jsonl, and the same command run again resumes from them")
     o.set_defaults(func=cmd_eval_offline)
     w = sub.add_parser("draft-vocab", help="grow a trained head's draft vocabulary (same weights; the most "
                                            "frequent answer tokens of its training data are added)")

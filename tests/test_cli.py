@@ -249,6 +249,12 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert report["sequences"] == [4, 6] and len(report["drafters"]) == 2
     for row in report["drafters"].values():
         assert row["mode"] == "decode" and row["rounds"]["1"] > 0 and 1 <= row["tau"]["1"] <= 9
+    assert not (tmp_path / "offline.json.partial.jsonl").exists()  # the journal goes once the report is written
+    # A journal left by an interrupted replay with other settings: refused by name, and kept.
+    (tmp_path / "offline.json.partial.jsonl").write_text('{"settings": {"width": 3}}\n')
+    assert main(offline) == 2 and "other settings (anchors_per_seq" in capsys.readouterr().err
+    assert (tmp_path / "offline.json.partial.jsonl").read_text() == '{"settings": {"width": 3}}\n'
+    (tmp_path / "offline.json.partial.jsonl").unlink()
     assert main(offline[:-2] + ["--teacher-cache", str(tmp_path / "cache4")]) == 2  # cache stops at 4
     assert "does not cover" in capsys.readouterr().err
     assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err

@@ -253,3 +253,72 @@ def test_refuses_eagle_heads_and_bad_budgets(target, sequences):
     with pytest.raises(JetFlowError, match="shift-tokens"):
         offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [4])
     assert offline_acceptance(block, target, sequences, OnlineTeacher(target, None), [0], [4], refine=False).rounds
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _CountingTeacher:
+    """The online teacher, counting fetches; raises at fetch number ``fail_at`` (a replay killed mid-run)."""
+
+    def __init__(self, target, fail_at=None):
+        self.inner, self.fail_at, self.fetched = OnlineTeacher(target, None), fail_at, []
+
+    def fetch(self, index, seq, anchors):
+        if len(self.fetched) == self.fail_at:
+            raise _Interrupted
+        self.fetched.append(index)
+        return self.inner.fetch(index, seq, anchors)
+
+
+@pytest.mark.parametrize("mode", ["lookup-session", "uniform"])
+def test_an_interrupted_replay_resumes_to_the_same_result(target, sequences, tmp_path, mode):
+    """Killed after its first sequence, the replay started again reads that sequence from the journal
+    (the lookup calibration it had left included), replays only the rest, and ends where a run
+    without interruption does."""
+    from jetflow.eval.replay_journal import ReplayJournal
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6)).eval()
+    text = list(range(40, 100))
+    copies = [Sequence(f"copy{i}", text[i:] + text[i:], len(text) - i) for i in range(3)]
+    seqs, kwargs = (copies, dict(lookup=True, lookup_session=True)) if mode == "lookup-session" else \
+        (sequences, dict(anchors_per_seq=4, seed=3))
+    run = dict(head=head, target=target, sequences=seqs, indices=[0, 1, 2], budgets=[4, 16], width=7, **kwargs)
+    whole = offline_acceptance(teacher=_CountingTeacher(target), **run)
+    settings = {"mode": mode}
+    path = tmp_path / "replay.json.partial.jsonl"
+    with pytest.raises(_Interrupted):
+        offline_acceptance(teacher=_CountingTeacher(target, fail_at=1), journal=ReplayJournal(path, settings),
+                           journal_key="h", **run)
+    teacher = _CountingTeacher(target)
+    resumed = offline_acceptance(teacher=teacher, journal=ReplayJournal(path, settings), journal_key="h", **run)
+    assert teacher.fetched == [1, 2]  # the first sequence came from the journal
+    assert resumed.depths == whole.depths and resumed.depth_reached == whole.depth_reached
+    assert resumed.summary() == whole.summary()
+    if mode == "lookup-session":  # the carried counts matter: a fresh calibration per sequence differs
+        fresh = offline_acceptance(teacher=_CountingTeacher(target), **{**run, "lookup_session": False})
+        assert fresh.depths != whole.depths
+
+
+def test_a_journal_of_other_settings_or_a_damaged_one_is_refused_and_kept(tmp_path):
+    from jetflow.eval.replay_journal import ReplayJournal
+
+    path = tmp_path / "r.json.partial.jsonl"
+    journal = ReplayJournal(path, {"width": 7, "budgets": [16]})
+    journal.record("h", 0, {16: [3, 1], "chain": [2]}, 1.5)
+    text = path.read_text()
+    with pytest.raises(JetFlowError, match="width: 7.*now 24"):
+        ReplayJournal(path, {"width": 24, "budgets": [16]})
+    assert path.read_text() == text
+    path.write_text(text + '{"drafter": "h", "ind')  # killed while writing a line: that sequence is redone
+    again = ReplayJournal(path, {"width": 7, "budgets": [16]})
+    assert again.done("h") == 1 and again.get("h", 0)["depths"] == {16: [3, 1], "chain": [2]}
+    assert again.get("h", 1) is None and path.read_text() == text
+    path.write_text(text.replace('"index": 0', '"index": "x"'))
+    with pytest.raises(JetFlowError, match="line 2"):
+        ReplayJournal(path, {"width": 7, "budgets": [16]})
+    (tmp_path / "other.json").write_text('{"a": 1}\n')
+    with pytest.raises(JetFlowError, match="not a replay journal"):
+        ReplayJournal(tmp_path / "other.json", {})

@@ -100,6 +100,18 @@ class LookupCalibration:
             cached = self._rates[ngram] = (out, log_probs(out))
         return cached
 
+    def counts(self) -> dict:
+        """The counts, as JSON (a resumed replay restores them with :meth:`load_counts`)."""
+        return {"hits": self.hits.tolist(), "trials": self.trials.tolist()}
+
+    def load_counts(self, counts: dict) -> None:
+        hits, trials = np.asarray(counts["hits"], dtype=float), np.asarray(counts["trials"], dtype=float)
+        if hits.shape != self.hits.shape or trials.shape != self.trials.shape:
+            raise ValueError(f"lookup calibration counts of shape {hits.shape}, expected {self.hits.shape}")
+        self.hits, self.trials = hits, trials
+        self._rates.clear()
+        self.version += 1
+
     def observe(self, ngram: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
         self._rates.pop(ngram, None)

@@ -24,10 +24,14 @@ decoder's own code (decoding/refine.py) over the sequence's context cut at the a
 
 from __future__ import annotations
 
+import hashlib
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
@@ -35,6 +39,7 @@ from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
 from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, chain_followed
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
+from jetflow.eval.replay_journal import ReplayJournal
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
@@ -85,6 +90,7 @@ class OfflineAcceptance:
     lookup: bool = False  # trees merged with the prompt-lookup chain (the chain column stays the head's)
     depths: dict = field(default_factory=dict)  # budget or CHAIN -> accepted draft tokens of each round
     depth_reached: list[int] = field(default_factory=list)  # [d]: rounds of the largest budget accepting >= d+1
+    seconds: float = 0.0  # spent replaying the sequences (journaled ones: when they were replayed)
 
     @property
     def rounds(self) -> dict:
@@ -246,7 +252,9 @@ class ReplayRounds:
 def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Sequence], teacher, indices: list[int],
                        budgets: list[int], width: int = 7, anchors_per_seq: int = 0, seed: int = 0,
                        anchors: dict[int, torch.Tensor] | None = None, refine: bool | int | None = None,
-                       lookup: bool = False, calibrated: bool = True, lookup_session: bool = False) -> OfflineAcceptance:
+                       lookup: bool = False, calibrated: bool = True, lookup_session: bool = False,
+                       journal: ReplayJournal | None = None, journal_key: str = "", progress: str | None = None
+                       ) -> OfflineAcceptance:
     """Greedy acceptance of ``head`` over ``sequences[i]`` for i in ``indices``.
 
     ``teacher`` gives each sequence's tapped target features (an ``OnlineTeacher`` or ``CachedTeacher``).
@@ -262,7 +270,9 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     default; only where decoding puts the rounds), its calibration fresh per sequence as for a new
     request; with ``lookup_session`` its counts carry over from one sequence to the next, as when
     one ``JetFlow`` object answers them in order. ``calibrated``:
-    build the trees with the head's tree calibration when it has one (as decoding does)."""
+    build the trees with the head's tree calibration when it has one (as decoding does).
+    ``journal``: sequences it holds (under ``journal_key``) are read from it, the others recorded in it
+    as they finish (eval/replay_journal.py). ``progress``: a progress bar on stderr with that label."""
     if head.config.kind != "block":
         raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
                            "(measure it with `jetflow bench`)")
@@ -288,11 +298,32 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform", lookup=lookup)
     g = torch.Generator().manual_seed(seed)
     session = {arm: LookupCalibration() for arm in budgets} if lookup_session else None
-    for index in indices:
+    for index in tqdm(indices, desc=progress or "replay", unit="seq", disable=not progress, file=sys.stderr):
         seq = sequences[index]
         last = len(seq.token_ids) - 2  # the last anchor with a token after it
         if last < seq.prompt_len:
             continue
+        picks = None
+        if not walk:  # drawn for every sequence, resumed or not, so the generator stays where it was
+            picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(seq.token_ids),
+                                                                             anchors_per_seq, g)
+        entry = journal.get(journal_key, index) if journal is not None else None
+        if entry is not None:  # replayed before the run was interrupted
+            for arm, depths in entry["depths"].items():
+                for depth in depths:
+                    result.add(arm, depth)
+            if session is not None:
+                for arm, cal in session.items():
+                    cal.load_counts(entry["session"][arm])
+            result.seconds += entry["seconds"]
+            continue
+        t0 = time.perf_counter()
+        depths: dict = {}
+
+        def add(arm, depth: int) -> None:
+            result.add(arm, depth)
+            depths.setdefault(arm, []).append(depth)
+
         features, _ = teacher.fetch(index, seq, torch.zeros(0, dtype=torch.long))
         rounds = ReplayRounds(head, embed, lm_weight, draft_index, features, seq, budgets[-1], width,
                               refine=0 if tree_refine else refine, calibration=calibration, tree_refine=tree_refine)
@@ -305,15 +336,17 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
                 while a <= last:
                     depth = rounds.accepted(a, arm) if lookup_rates is None else \
                         rounds.accepted_with_lookup(a, arm, lookup_rates)
-                    result.add(arm, depth)
+                    add(arm, depth)
                     a += depth + 1
         else:
-            picks = anchors[index] if anchors is not None else sample_anchors(seq.prompt_len, len(seq.token_ids),
-                                                                             anchors_per_seq, g)
             rounds.prefetch(picks.tolist())
             for a in picks.tolist():
                 for arm in [*budgets, CHAIN]:
-                    result.add(arm, rounds.accepted(a, arm))
+                    add(arm, rounds.accepted(a, arm))
+        spent = time.perf_counter() - t0
+        result.seconds += spent
+        if journal is not None:
+            journal.record(journal_key, index, depths, spent, session)
     return result
 
 
@@ -350,25 +383,36 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
                       seed: int = 0, log=print, refine: bool | int | None = None, lookup: bool = False,
-                      calibrated: bool = True, lookup_session: bool = False) -> dict:
+                      calibrated: bool = True, lookup_session: bool = False, journal: str | Path | None = None,
+                      progress: bool = False) -> dict:
     """Offline acceptance of each drafter checkpoint on a range of regenerated sequences (rounds where
     decoding puts them, or the same random anchors for every drafter). Features come from
-    ``teacher_cache`` or from the target run online."""
+    ``teacher_cache`` or from the target run online. ``journal``: a file that makes the replay
+    resumable (eval/replay_journal.py); it is removed once the report is complete."""
     from jetflow.training.trainer import data_label, load_sequences
 
     sequences = load_sequences(data_dir, target)
     start, end = parse_range(seq_range, len(sequences))
     heads = {path: load_drafter(path, target=target, device=target.device, dtype=torch.float32)
              for path in drafters}
+    settings = {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
+                "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
+                "budgets": sorted(budgets), "refine": refine, "lookup": lookup, "lookup_session": lookup_session,
+                "calibrated": calibrated, "target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+                "drafters": {str(path): head_fingerprint(path) for path in drafters}}
+    book = ReplayJournal(journal, settings) if journal is not None else None
+    if book is not None and any(book.done(str(path)) for path in drafters):
+        log(f"resuming from {book.path}: " + ", ".join(f"{path}: {book.done(str(path))} sequences done"
+                                                      for path in drafters))
     results = {}
     for path, head in heads.items():
         target.set_tapped_layers(head.config.target_layer_ids)
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
-        t0 = time.perf_counter()
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
                                     width, anchors_per_seq, seed, refine=refine, lookup=lookup, calibrated=calibrated,
-                                    lookup_session=lookup_session)
-        results[str(path)] = {**result.summary(), "seconds": round(time.perf_counter() - t0, 1),
+                                    lookup_session=lookup_session, journal=book, journal_key=str(path),
+                                    progress=Path(path).name if progress else None)
+        results[str(path)] = {**result.summary(), "seconds": round(result.seconds, 1),
                               "lookup_session": lookup_session,
                               "refine": refine if tree_passes(refine) else
                               int(head.config.path_refine if refine is None else refine),
@@ -378,3 +422,13 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     return {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
             "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
             "budgets": list(budgets), "drafters": results}
+
+
+def head_fingerprint(path) -> str:
+    """A digest of a drafter checkpoint's files: a journal from other weights is not resumed."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        file = Path(path) / name
+        if file.is_file():
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
