@@ -24,7 +24,6 @@ decoder's own code (decoding/refine.py) over the sequence's context cut at the a
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
 from jetflow.training.blocks import make_blocks, sample_anchors
+from jetflow.utils.fs import file_digest
 from jetflow.tree.build import DraftTree, build_tree, build_tree_rows
 
 
@@ -389,18 +389,23 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     decoding puts them, or the same random anchors for every drafter). Features come from
     ``teacher_cache`` or from the target run online. ``journal``: a file that makes the replay
     resumable (eval/replay_journal.py); it is removed once the report is complete."""
+    from jetflow.training.teacher_cache import tokens_digest
     from jetflow.training.trainer import data_label, load_sequences
 
     sequences = load_sequences(data_dir, target)
     start, end = parse_range(seq_range, len(sequences))
     heads = {path: load_drafter(path, target=target, device=target.device, dtype=torch.float32)
              for path in drafters}
-    settings = {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
-                "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
-                "budgets": sorted(budgets), "refine": refine, "lookup": lookup, "lookup_session": lookup_session,
-                "calibrated": calibrated, "target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-                "drafters": {str(path): head_fingerprint(path) for path in drafters}}
-    book = ReplayJournal(journal, settings) if journal is not None else None
+    header = {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
+              "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
+              "budgets": list(budgets)}
+    book = None
+    if journal is not None:  # what a resumed replay must share with the one it resumes
+        book = ReplayJournal(journal, {
+            **header, "tokens": tokens_digest(sequences[start:end]), "refine": refine, "lookup": lookup,
+            "lookup_session": lookup_session, "calibrated": calibrated, "target": target.name,
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "drafters": {str(path): head_fingerprint(path) for path in drafters}})
     if book is not None and any(book.done(str(path)) for path in drafters):
         log(f"resuming from {book.path}: " + ", ".join(f"{path}: {book.done(str(path))} sequences done"
                                                       for path in drafters))
@@ -419,16 +424,10 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
                               "calibrated": calibrated and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
-    return {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
-            "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
-            "budgets": list(budgets), "drafters": results}
+    return {**header, "drafters": results}
 
 
 def head_fingerprint(path) -> str:
-    """A digest of a drafter checkpoint's files: a journal from other weights is not resumed."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        file = Path(path) / name
-        if file.is_file():
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
+    """The digests of a drafter checkpoint's files: a journal from other weights is not resumed."""
+    return "-".join(file_digest(f) for f in (Path(path) / "config.json", Path(path) / "model.safetensors")
+                    if f.is_file())

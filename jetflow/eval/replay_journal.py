@@ -23,10 +23,6 @@ def journal_path(out: str | Path) -> Path:
     return out.with_name(out.name + ".partial.jsonl")
 
 
-def _arm_key(arm) -> str:
-    return str(arm)
-
-
 def _arm_value(key: str):
     return int(key) if key.lstrip("-").isdigit() else key
 
@@ -90,8 +86,8 @@ class ReplayJournal:
 
     def record(self, drafter: str, index: int, depths: dict, seconds: float, session: dict | None = None) -> None:
         entry = {"drafter": drafter, "index": index, "seconds": round(seconds, 3),
-                 "depths": {_arm_key(arm): list(d) for arm, d in depths.items()}}
+                 "depths": {str(arm): list(d) for arm, d in depths.items()}}
         if session is not None:
-            entry["session"] = {_arm_key(arm): cal.counts() for arm, cal in session.items()}
+            entry["session"] = {str(arm): cal.counts() for arm, cal in session.items()}
         self._append(entry)
-        self._done.setdefault(drafter, {})[index] = json.loads(json.dumps(entry))
+        self._done.setdefault(drafter, {})[index] = entry

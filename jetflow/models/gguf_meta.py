@@ -18,7 +18,7 @@ import torch
 
 from jetflow.errors import ModelResolutionError
 from jetflow.models.backend import TargetShape
-from jetflow.utils.fs import atomic_directory, cache_root
+from jetflow.utils.fs import atomic_directory, cache_root, file_digest
 
 # Architectures whose input embeddings are multiplied by sqrt(hidden) inside the model.
 _SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3")
@@ -26,10 +26,8 @@ _SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3")
 
 def gguf_sidecar(gguf: Path) -> Path:
     """The cache directory for ``gguf`` (built on first use)."""
-    from jetflow.models.resolve import _file_digest
-
     gguf = Path(gguf).resolve()
-    out = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}"
+    out = cache_root() / "gguf" / f"{gguf.stem}-{file_digest(gguf)}"
     if (out / "meta.json").is_file():
         return out
     try:

@@ -12,7 +12,6 @@ first load costs a conversion (~20 s for SmolLM2-135M) and later loads only read
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetflow.errors import ModelResolutionError
-from jetflow.utils.fs import atomic_directory, cache_root
+from jetflow.utils.fs import atomic_directory, cache_root, file_digest
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -118,18 +117,10 @@ def _packaged_gguf(name: str, entry: PackagedGGUF) -> Path:
     return gguf
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
-
-
 def convert_gguf(gguf: Path, name: str | None = None) -> Path:
     """Dequantize ``gguf`` into a cached safetensors model directory (once) and return its path."""
     gguf = Path(gguf).resolve()
-    out = cache_root() / "models" / f"{name or gguf.stem}-{_file_digest(gguf)}"
+    out = cache_root() / "models" / f"{name or gguf.stem}-{file_digest(gguf)}"
     if (out / "config.json").is_file():
         return out
     try:

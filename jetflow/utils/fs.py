@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -52,6 +53,15 @@ def replace_directory(final: Path) -> Iterator[Path]:
         final.rename(old)
     staged.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def file_digest(path: Path) -> str:
+    """A short sha256 of a file's bytes (cache keys, checkpoint identity)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
