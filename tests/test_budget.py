@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -232,14 +233,46 @@ def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_pa
     prompt = "one two three four five one two three four five one two three"
     ar = jetflow.generate(target, prompt, max_new_tokens=32)
     asked.clear()
+    steps, greedy_step = [], target.greedy_step
+    target.greedy_step = lambda token: steps.append(token) or greedy_step(token)
     quiet = jf.generate(prompt, max_new_tokens=32)
     assert quiet.token_ids == ar.token_ids and quiet.stats["features"] is False
     assert asked and not any(asked) and quiet.stats["round_kinds"].get("drafted", 0) == 0
+    # plain rounds are the runtime's own greedy steps (this runtime's extends one token by a verify);
+    # the other forwards: the prefill and one verify per lookup chain
+    kinds = quiet.stats["round_kinds"]
+    assert len(steps) == kinds["plain"] > 0 and len(asked) == 1 + kinds["plain"] + kinds.get("lookup", 0)
+    target.greedy_step = greedy_step
     for _ in range(6):
         assert jf.generate(prompt, max_new_tokens=8).stats["features"] is False
     asked.clear()
     probe = jf.generate(prompt, max_new_tokens=32)  # the eighth: features on, the head may explore
     assert probe.stats["features"] is True and all(asked) and probe.token_ids == ar.token_ids
+
+
+def _state(budget: AdaptiveBudget) -> dict:
+    return {k: vars(v) if hasattr(v, "__dict__") else v for k, v in vars(budget).items()}
+
+
+def test_observing_a_plain_round_alone_equals_observing_its_tree():
+    """``observe_plain`` (the fast path of featureless greedy rounds) leaves the same state as
+    ``observe`` of a root-only tree with nothing but its verify timed, among rounds of other kinds."""
+    curve = CostCurve({"c1_ms": 10.0, "verify_ms": {1: 14.0, 8: 30.0, 64: 90.0}, "draft_ms": {1: 3.0, 64: 9.0}})
+    fast, full = AdaptiveBudget(curve), AdaptiveBudget(curve)
+    rng = random.Random(0)
+    for r in range(300):
+        if rng.random() < 0.8:
+            ms = rng.uniform(8.0, 14.0)
+            fast.observe_plain(ms)
+            full.observe(DraftTree.root_only(5), [0], other_ms=0.0, verify_ms=ms)
+        else:
+            tree = chain_tree([0.9, 0.5, 0.3][:rng.randint(1, 3)])
+            path = list(range(rng.randint(1, len(tree))))
+            other, verify = rng.uniform(0.1, 1.0), rng.uniform(12.0, 20.0)
+            for budget in (fast, full):
+                budget.observe(tree, path, other_ms=other, verify_ms=verify)
+        assert _state(fast) == _state(full), r
+        assert fast.plain_step_due() == full.plain_step_due()
 
 
 def chain_tree(rates):

@@ -163,6 +163,16 @@ class AdaptiveBudget:
         draft look cheap)."""
         return self._since_plain is None or self._since_plain >= self.max_explore_every
 
+    def observe_plain(self, verify_ms: float) -> None:
+        """``observe`` of a plain round (the root alone) whose only timed phase was its verify."""
+        self._observe_overhead(0.0)
+        self._since_plain = 0
+        self._observe_verify(0, verify_ms)
+
+    def _observe_overhead(self, ms: float) -> None:
+        self._rounds += 1
+        self.overhead_ms += (ms - self.overhead_ms) / min(self._rounds, 100)
+
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
         if k or self._scale_count[0] % 16 == 0:  # tree costs moved, or 16 plain steps since the last
@@ -287,8 +297,7 @@ class AdaptiveBudget:
                 self.trials[d][b] += 1
                 self.hits[d][b] += node in accepted
         if other_ms is not None:
-            self._rounds += 1
-            self.overhead_ms += (other_ms - self.overhead_ms) / min(self._rounds, 100)
+            self._observe_overhead(other_ms)
         if verify_ms is not None:
             plain = len(tree) == 1
             self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1

@@ -200,16 +200,22 @@ class MixedDrafter:
         """``primary``: the head's proposal when it was already made (batched drafting)."""
         if primary is None:
             primary = self.primary.propose(anchor, position, room, width, max_nodes)
-        return self._with_lookup(anchor, room, primary)
+        return self._proposal(anchor, primary, *self._lookup(anchor, room))
 
     def propose_lookup(self, anchor: int, room: int) -> MixedProposal | None:
         """The lookup chain alone, no head forward (None without a match). Its tree's scores are the
         calibrated log-probabilities of each chain token being accepted, which is what lets a budget
         weigh a round of it against a drafted round (decoding/budget.py, ``chain_offer``)."""
-        proposal = self._with_lookup(anchor, room, None)
-        return proposal if proposal.chain else None
+        ngram, chain = self._lookup(anchor, room)
+        return self._proposal(anchor, None, ngram, chain) if chain else None
 
-    def _with_lookup(self, anchor: int, room: int, primary) -> MixedProposal:
+    def _proposal(self, anchor: int, primary, ngram: int, chain: list[int]) -> MixedProposal:
+        cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
+        return MixedProposal(primary, int(anchor), chain, cal.log_rates(ngram, len(chain)),
+                             scores_key=(id(cal), cal.version, ngram, len(chain)))
+
+    def _lookup(self, anchor: int, room: int) -> tuple[int, list[int]]:
+        """This round's lookup match (match length, chain), with the bookkeeping of offered chains."""
         tokens, anchor = self.target.token_ids, int(anchor)
         if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, no verify held it
             self._unverified.append(self._last)
@@ -221,9 +227,7 @@ class MixedDrafter:
         self._anchor = anchor
         ngram, chain = self.index.match(anchor, min(self.max_draft, room))
         self._last = (ngram, chain, len(tokens) + 1) if chain else None
-        cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
-        return MixedProposal(primary, anchor, chain, cal.log_rates(ngram, len(chain)),
-                             scores_key=(id(cal), cal.version, ngram, len(chain)))
+        return ngram, chain
 
     def _follow_unverified(self, tokens: list[int], anchor: int) -> None:
         """Count the chains that earlier rounds offered but did not verify (plain rounds, and trees

@@ -45,6 +45,9 @@ def speculative_stream(
         drafter.extend(pre.hidden)
     root = next_token(pre.logits[-1], params, generator)
     prefill_s = time.perf_counter() - t0
+    # Most rounds of `auto` where drafts do not pay: the runtime's own greedy step, with no tree and
+    # one timing (their Python runs right after a decode, with cold caches, so it costs ~1% of a step).
+    plain_steps = adaptive is not None and params.greedy and not features
     finished = output.add(root)
     while not finished:
         if delta := output.drain():
@@ -53,13 +56,25 @@ def speculative_stream(
         if room < 0:
             output.finish("length")
             break
-        before = dict(stats.seconds)
         tree = None
         if budget == 0:
             tree = DraftTree.root_only(root)
             stats.round_kinds["plain"] += 1
         elif adaptive is not None:
             tree = _round_without_draft(adaptive, drafter, root, room, stats, may_draft=features)
+            if tree is PLAIN:
+                if plain_steps:
+                    t = time.perf_counter()
+                    root = target.greedy_step(root)
+                    t = time.perf_counter() - t
+                    stats.seconds["verify"] += t
+                    adaptive.observe_plain(t * 1e3)
+                    stats.accept_lengths.append(1)
+                    stats.tree_sizes.append(0)
+                    finished = output.add(root)
+                    continue
+                tree = DraftTree.root_only(root)
+        before = dict(stats.seconds)
         if tree is None:
             stats.round_kinds["drafted"] += 1
             nodes = budget if adaptive is None else adaptive.draft_nodes()
@@ -107,11 +122,14 @@ def _verify_round(target: TargetBackend, drafter: Drafter, tree: DraftTree, para
     return path, bonus
 
 
+PLAIN = "plain"  # a round that verifies the root alone
+
+
 def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, room: int,
-                         stats: SpeculativeStats, may_draft: bool = True) -> DraftTree | None:
+                         stats: SpeculativeStats, may_draft: bool = True) -> DraftTree | str | None:
     """The round's tree when a head forward is not expected to pay (or ``may_draft`` is False): the
-    lookup chain alone (it costs no forward) when it beats a plain step, else the root alone; None
-    when drafting pays or explores."""
+    lookup chain alone (it costs no forward) when it beats a plain step, else ``PLAIN`` (the root
+    alone); None when drafting pays or explores."""
     with stats.timed("draft"):
         chain = adaptive.lookup_chain(drafter, root, room)
     if adaptive.plain_step_due():  # re-times the step every other price is scaled by
@@ -119,4 +137,4 @@ def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, 
     elif may_draft and adaptive.should_draft(chain):
         return None
     stats.round_kinds["plain" if chain is None else "lookup"] += 1
-    return DraftTree.root_only(root) if chain is None else chain.tree
+    return PLAIN if chain is None else chain.tree
