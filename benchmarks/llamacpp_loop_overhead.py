@@ -8,7 +8,9 @@ machine's speed falls on all alike), with every ``llama_decode`` call timed as w
 * ``ar``: JetFlow's plain loop;
 * ``auto``: the default decoder (head + lookup) at ``--budget auto``.
 
-Greedy, first turns only; outputs are checked against ``llama-ar``'s. On a 2-core CPU a one-token
+Greedy, first turns only; outputs are checked against ``llama-ar``'s. Each method is timed from the
+prompt's messages to its text: ``llama-ar`` encodes the prompt and turns its tokens into text inside
+its timing, as JetFlow's loops do. On a 2-core CPU a one-token
 decode is ~10-15 ms and the three loops run the same decodes, so the Python time per token is what
 separates them. Each set is also summed over the prompts whose ``auto`` request ran without the
 head's features (the head settled as losing), which isolates the plain and lookup rounds from the
@@ -24,6 +26,7 @@ import time
 from collections import Counter
 
 import jetflow
+from jetflow.decoding.api import prepare_request
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.eval.datasets import load_eval_set
 from jetflow.eval.llama_reference import llama_greedy, open_llama
@@ -59,8 +62,9 @@ def main() -> int:
 
     internals.llama_cpp.llama_decode = timed_decode
 
-    def llama_ar(prompt, ids, chat):
-        tokens, _, _ = llama_greedy(llm, ids, args.max_new_tokens, stop)
+    def llama_ar(prompt, ids, chat):  # the same work as the others: the prompt encoded, the tokens turned into text
+        ids, _, output = prepare_request(target, prompt, max_new_tokens=args.max_new_tokens, chat=chat)
+        tokens, _, _ = llama_greedy(llm, ids, args.max_new_tokens, stop, output)
         return tokens
 
     kinds = Counter()  # auto's rounds by kind (plain / lookup / drafted), for the set being run

@@ -10,6 +10,7 @@ control below), so the test still notices one.
 """
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -245,6 +246,27 @@ def test_greedy_jetflow_equals_llama_api(llama_target, prompt):
     ref, _, _ = llama_greedy(llm, ids, 64, llama_target.stop_token_ids())
     assert ours.token_ids == ref
     assert ours.stats["tau"] > 1.5
+    # the reference as the bench times it: its tokens turned into text as they come, as ours are
+    _, _, output = jetflow.decoding.api.prepare_request(llama_target, prompt, max_new_tokens=64)
+    streamed, _, reason = llama_greedy(llm, ids, 64, llama_target.stop_token_ids(), output)
+    assert streamed == ref == output.token_ids and output.text == ours.text and reason == ours.finish_reason
+
+
+@pytest.mark.real
+def test_the_bench_reference_does_the_same_work_as_jetflows_loops(llama_target, monkeypatch):
+    """`jetflow bench`'s llama-ar turns its tokens into text inside its timing, one at a time as
+    they come (as JetFlow's loops stream text), and gives ar's tokens and text."""
+    from jetflow.decoding.output import OutputStream
+    from jetflow.eval.methods import METHODS, MethodRunner
+
+    runner = MethodRunner(llama_target, {})
+    prompt = [{"role": "user", "content": "Name three colors."}]
+    ar = runner.run(METHODS["ar"], prompt, budget=None, max_new_tokens=8)
+    added, add = [], OutputStream.add
+    monkeypatch.setattr(OutputStream, "add", lambda self, t: added.append(t) or time.sleep(0.2) or add(self, t))
+    ref = runner.run(METHODS["llama-ar"], prompt, budget=None, max_new_tokens=8)
+    assert ref.token_ids == ar.token_ids == added and ref.text == ar.text and ref.finish_reason == ar.finish_reason
+    assert ref.seconds >= 0.2 * len(added)  # the text was made inside the timing (8 decodes take far less)
 
 
 @needs_llamacpp

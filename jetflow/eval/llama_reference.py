@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from jetflow.decoding.output import OutputStream
 from jetflow.models.llamacpp_target import DEFAULT_BATCH, LlamaCppError
 
 
@@ -23,16 +24,22 @@ def open_llama(gguf: str | Path, *, n_ctx: int = 4096, n_threads: int | None = N
                  n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
 
 
-def llama_greedy(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], float, str]:
+def llama_greedy(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+                 output: OutputStream | None = None) -> tuple[list[int], float, str]:
     """Greedy tokens (a stop token included, as JetFlow's output counts it), seconds, finish reason.
     The KV cache is cleared first: ``Llama.generate`` would otherwise reuse a shared prompt prefix
-    from the previous call."""
+    from the previous call. ``output``: each token is added to it as it comes, inside the timing,
+    so the reference turns tokens into text as JetFlow's loops do (a speed comparison does the same
+    work on both sides); generation also ends where it finishes."""
     llm.reset()
     tokens: list[int] = []
     reason = "length"
     t0 = time.perf_counter()
     for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         tokens.append(int(token))
+        if output is not None and output.add(token):
+            reason = output.finish_reason
+            break
         if token in stop_ids:
             reason = "stop"
             break

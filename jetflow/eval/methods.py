@@ -201,8 +201,7 @@ class MethodRunner:
         if self._llama is None:
             self._llama = open_llama(self.target.gguf, n_ctx=self.target.max_context, n_threads=self.target.n_threads,
                                      flash_attn=self.target.flash_attn)
-        tokens, seconds, _ = llama_greedy(self._llama, prompt_ids, output.max_new_tokens, output.stop_token_ids)
-        output.add_many(tokens)
+        _, seconds, _ = llama_greedy(self._llama, prompt_ids, output.max_new_tokens, output.stop_token_ids, output)
         result = GenerationResult.from_output(output, len(prompt_ids), seconds, 0.0, method="llama-ar")
         result.stats = {"rounds": max(0, result.new_tokens - 1)}
         return result
