@@ -62,17 +62,17 @@ def speculative_stream(
             stats.round_kinds["plain"] += 1
         elif adaptive is not None:
             tree = _round_without_draft(adaptive, drafter, root, room, stats, may_draft=features)
+            if tree is PLAIN and plain_steps:  # no logits copied out, no tree bookkeeping
+                t = time.perf_counter()
+                root = target.greedy_step(root)
+                t = time.perf_counter() - t
+                stats.seconds["verify"] += t
+                adaptive.observe_plain(t * 1e3)
+                stats.accept_lengths.append(1)
+                stats.tree_sizes.append(0)
+                finished = output.add(root)
+                continue
             if tree is PLAIN:
-                if plain_steps:
-                    t = time.perf_counter()
-                    root = target.greedy_step(root)
-                    t = time.perf_counter() - t
-                    stats.seconds["verify"] += t
-                    adaptive.observe_plain(t * 1e3)
-                    stats.accept_lengths.append(1)
-                    stats.tree_sizes.append(0)
-                    finished = output.add(root)
-                    continue
                 tree = DraftTree.root_only(root)
         before = dict(stats.seconds)
         if tree is None:
@@ -105,10 +105,8 @@ def speculative_stream(
 
 def _verify_round(target: TargetBackend, drafter: Drafter, tree: DraftTree, params: SamplingParams,
                   generator: torch.Generator | None, features: bool, stats: SpeculativeStats) -> tuple[list[int], int]:
-    """Verify ``tree`` in one target forward, accept a path and commit it: (path, bonus token)."""
-    if len(tree) == 1 and params.greedy and not features:
-        with stats.timed("verify"):  # a plain greedy step: the runtime's own, no logits copied out
-            return [0], target.greedy_step(tree.tokens[0])
+    """Verify ``tree`` in one target forward, accept a path and commit it: (path, bonus token).
+    (Plain greedy rounds without features take the runtime's own step in the loop instead.)"""
     with stats.timed("verify"):
         out = target.verify(tree.tokens, tree.parents, return_hidden=features)
     with stats.timed("accept"):
