@@ -1,0 +1,47 @@
+"""A `jetflow bench` run on llama.cpp, summed per set by whether `auto`'s request read the head's
+features: seconds, prefill seconds and tokens/s of `llama-ar`, `ar` and `auto` on the same requests.
+Featureless requests decode plainly (or with lookup chains), so they compare the loops alone.
+
+    python benchmarks/split_by_features.py docs/results/headline_llamacpp_v13
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+METHODS = {"llama-ar": "llama-ar", "ar": "ar", "auto": "jetflow-lookup__bauto"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="the bench's --out directory")
+    ap.add_argument("--datasets", default="gsm8k,mtbench,humaneval,math500,aime")
+    args = ap.parse_args()
+    for dataset in args.datasets.split(","):
+        runs = {name: {(r["id"], r["turn"]): r for r in
+                       json.load(open(Path(args.run) / "runs" / f"{dataset}__{file}.json"))["records"]}
+                for name, file in METHODS.items()}
+        kinds, sums = Counter(), defaultdict(float)
+        for key, record in runs["auto"].items():
+            features = bool(record["features"])
+            kinds.update(record["round_kinds"] or {})
+            sums[features, "requests"] += 1
+            for name, run in runs.items():
+                sums[features, name, "s"] += run[key]["seconds"]
+                sums[features, name, "prefill"] += run[key].get("prefill_seconds") or 0.0
+                sums[features, name, "tokens"] += run[key]["new_tokens"]
+        print(f"{dataset}: auto's rounds {dict(kinds)}")
+        for features in (False, True):
+            if sums[features, "requests"]:
+                print(f"  {int(sums[features, 'requests'])} requests {'with' if features else 'without'} features: "
+                      + "; ".join(f"{n} {sums[features, n, 'tokens'] / sums[features, n, 's']:.2f} tok/s, "
+                                  f"{sums[features, n, 's']:.2f} s (prefill {sums[features, n, 'prefill']:.2f} s)"
+                                  for n in runs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
