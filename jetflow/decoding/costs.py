@@ -172,6 +172,8 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
            "budgets": list(budgets), "context": context, "backend": target.backend,
            "backend_threads": getattr(target, "n_threads", None), "int8": getattr(drafter, "int8", False),
            "attention": c.attention}
+    if getattr(target, "linear_form", "standard") != "standard":  # verifies priced as they now run
+        key["linear_form"] = target.linear_form
     if target.backend == "llamacpp":  # c1 timed with features on, as the loop's plain rounds run
         key["c1_features"] = True
     if getattr(drafter, "lookup", False):  # only when set, so costs measured before lookup existed still apply

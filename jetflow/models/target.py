@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from jetflow.decoding.prompt import stop_token_ids
 from jetflow.errors import InvalidRequestError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
+from jetflow.models.few_row_linear import use_few_row_linear
 from jetflow.models.gqa_attention import use_packed_gqa
 from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.resolve import ResolvedModel, resolve_model
@@ -57,6 +58,7 @@ class TargetModel:
     ):
         self.model = model.eval().requires_grad_(False)
         use_packed_gqa(self.model)  # tree and batched verifies without copying the cache per layer
+        self.linear_form = use_few_row_linear(self.model)  # few-row products as W @ x^T where faster
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config.get_text_config(decoder=True)

@@ -1,0 +1,100 @@
+"""x @ W^T against W @ x^T on this CPU: each linear shape of the target at a few row counts, then a
+whole tree verify of the target in both forms (two copies of the model, measured alternately).
+
+    python benchmarks/few_row_linear.py --out docs/results/few_row_linear/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from jetflow.eval.machine import machine
+from jetflow.models.few_row_linear import ENV, transposed_linear
+from jetflow.utils.fs import write_json_atomic
+
+ROWS = (1, 2, 4, 17, 65, 257)
+VERIFY = (1, 2, 3, 5, 9, 17, 33, 65, 257)
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def load(form: str, spec: str):
+    from jetflow.models.loading import load_target
+
+    os.environ[ENV] = form
+    target = load_target(spec, backend="torch")
+    assert target.linear_form == form
+    return target
+
+
+@torch.inference_mode()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--context", type=int, default=150, help="committed tokens before each verify")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    targets = {form: load(form, args.target) for form in ("standard", "transposed")}
+    model = targets["standard"].model
+
+    shapes = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes.setdefault(tuple(m.weight.shape), (name.split(".")[-1], m.weight))
+    kernels = []
+    print(f"{'layer':12s} {'shape':>12s} " + " ".join(f"{'rows ' + str(r):>18s}" for r in ROWS))
+    for shape, (name, w) in shapes.items():
+        row = {"layer": name, "shape": list(shape), "standard_ms": {}, "transposed_ms": {}}
+        for rows in ROWS:
+            x = torch.randn(rows, shape[1], dtype=w.dtype)
+            reps = max(3, args.reps if w.numel() < 10**7 else args.reps // 2)
+            row["standard_ms"][rows] = median_ms(lambda: F.linear(x, w), reps)
+            row["transposed_ms"][rows] = median_ms(lambda: transposed_linear(x, w, None), reps)
+        kernels.append(row)
+        print(f"{name:12s} {str(shape):>12s} " + " ".join(
+            f"{row['standard_ms'][r]:8.2f}/{row['transposed_ms'][r]:<8.2f}ms" for r in ROWS))
+
+    prefix = list(range(1000, 1000 + args.context))
+    verify = {form: {} for form in targets}
+    for n in VERIFY:
+        tokens, parents = list(range(500, 500 + n)), list(range(-1, n - 1))  # a chain: n rows
+        samples = {form: [] for form in targets}
+        for form, target in targets.items():
+            target.prefill(prefix)
+            target.verify(tokens, parents)  # warm
+        for _ in range(args.reps):  # alternate the forms, so drift falls on both
+            for form, target in targets.items():
+                start = time.perf_counter()
+                target.verify(tokens, parents)
+                samples[form].append(1e3 * (time.perf_counter() - start))
+        for form in targets:
+            verify[form][n] = statistics.median(samples[form])
+    c1 = {form: verify[form][1] for form in targets}
+    print("verify of n rows, ms (ratio to one row):")
+    for n in VERIFY:
+        s, t = verify["standard"][n], verify["transposed"][n]
+        print(f"  n={n:4d}  standard {s:8.1f} ({s / c1['standard']:.2f})   transposed {t:8.1f} "
+              f"({t / c1['transposed']:.2f})   {t / s:.2f}x the time")
+    if args.out:
+        write_json_atomic(args.out, {"machine": machine(), "threads": torch.get_num_threads(),
+                                     "context": args.context, "kernels": kernels, "verify_ms": verify})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Few-row linear layers as W @ x^T: the same numbers as nn.Linear up to rounding, chosen once per
+machine, and lossless decoding with them."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import jetflow
+from jetflow.models import few_row_linear
+from jetflow.models.few_row_linear import ENV, MAX_ROWS, FewRowLinear, cached_choice, use_few_row_linear
+from jetflow.models.target import TargetModel
+from tiny import tiny_model
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_row_linear_equals_linear_and_leaves_one_row_and_big_batches_alone(bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80, bias=bias)
+    few = FewRowLinear(48, 80, bias=bias)
+    few.load_state_dict(layer.state_dict())
+    for shape in [(1, 48), (1, 1, 48), (2, 48), (1, 7, 48), (3, 5, 48), (MAX_ROWS, 48), (1, MAX_ROWS + 1, 48)]:
+        x = torch.randn(*shape)
+        want, got = layer(x), few(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        rows = x.numel() // 48
+        if rows == 1 or rows > MAX_ROWS:  # untouched: bit for bit nn.Linear
+            assert torch.equal(got, want)
+    # the brute-force reference: every output is the dot product of its row and the weight's row
+    x = torch.randn(4, 48, dtype=torch.float64)
+    few64 = few.double()
+    ref = torch.stack([torch.stack([(x[i] * few64.weight[j]).sum() for j in range(80)]) for i in range(4)])
+    if bias:
+        ref = ref + few64.bias
+    torch.testing.assert_close(few64(x), ref)
+
+
+def test_the_form_is_forced_by_env_refused_when_unknown_and_keeps_the_weights(monkeypatch):
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setenv(ENV, "standard")
+    assert use_few_row_linear(model) == "standard"
+    assert not any(isinstance(m, FewRowLinear) for m in model.modules())
+    monkeypatch.setenv(ENV, "transposed")
+    assert use_few_row_linear(model) == "transposed"
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is FewRowLinear for m in linears)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    monkeypatch.setenv(ENV, "fastest")
+    with pytest.raises(ValueError, match=ENV):
+        use_few_row_linear(tiny_model("llama"))
+
+
+def test_the_choice_is_measured_once_per_machine_and_a_damaged_record_measured_again(tmp_path, monkeypatch):
+    calls = []
+
+    def probe(weights, reps=5):
+        calls.append([tuple(w.shape) for w in weights])
+        return True, {"standard": 2.0, "transposed": 1.0}
+
+    monkeypatch.setattr(few_row_linear, "transposed_is_faster", probe)
+    linears = [m for m in tiny_model("llama").modules() if type(m) is nn.Linear]
+    assert cached_choice(linears, tmp_path) is True
+    assert cached_choice(linears, tmp_path) is True
+    assert len(calls) == 1
+    record = next((tmp_path / "linear_form").glob("*.json"))
+    assert json.loads(record.read_text())["transposed"] is True
+    assert max(calls[0]) == max(tuple(m.weight.shape) for m in linears)  # the largest layer is timed
+    record.write_text("{not json")
+    assert cached_choice(linears, tmp_path) is True and len(calls) == 2
+
+
+def test_the_probe_measures_both_forms():
+    faster, times = few_row_linear.transposed_is_faster([torch.randn(64, 32)], reps=3)
+    assert isinstance(faster, bool) and times["standard"] > 0 and times["transposed"] > 0
+
+
+@pytest.fixture
+def transposed_target(tokenizer, monkeypatch):
+    monkeypatch.setenv(ENV, "transposed")
+    target = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+    assert target.linear_form == "transposed"
+    return target
+
+
+def test_tree_verify_with_few_row_products_equals_each_path_alone(transposed_target, tokenizer, monkeypatch):
+    monkeypatch.setenv(ENV, "standard")
+    plain = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+    assert plain.linear_form == "standard"
+    prefix, tokens, parents = [5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35], [-1, 0, 0, 1, 1, 2]
+    transposed_target.prefill(prefix)
+    tree = transposed_target.verify(tokens, parents)
+    for node in range(len(tokens)):
+        path, n = [], node
+        while n >= 0:
+            path.append(tokens[n])
+            n = parents[n]
+        plain.prefill(prefix + path[::-1][:-1])
+        alone = plain.verify([path[0]], [-1])  # the node itself, after its ancestors, one row
+        torch.testing.assert_close(tree.logits[node], alone.logits[0], rtol=1e-4, atol=1e-4)
+        assert int(tree.logits[node].argmax()) == int(alone.logits[0].argmax())
+
+
+def test_greedy_speculative_with_few_row_products_equals_autoregressive(transposed_target):
+    torch.manual_seed(0)
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+
+    head = DraftHead(DraftHeadConfig.for_target(transposed_target, attention="causal", block_size=8))
+    prompt = [10, 20, 30, 40, 50]
+    ar = jetflow.generate(transposed_target, prompt, max_new_tokens=40)
+    spec = jetflow.JetFlow(transposed_target, head).generate(prompt, max_new_tokens=40, budget=16, width=7)
+    assert spec.token_ids == ar.token_ids and spec.stats["rounds"] < len(ar.token_ids)
