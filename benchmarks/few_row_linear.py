@@ -17,19 +17,10 @@ import torch.nn.functional as F
 from jetflow.eval.machine import machine
 from jetflow.models.few_row_linear import ENV, transposed_linear
 from jetflow.utils.fs import write_json_atomic
+from jetflow.utils.timing import median_ms
 
 ROWS = (1, 2, 4, 17, 65, 257)
 VERIFY = (1, 2, 3, 5, 9, 17, 33, 65, 257)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def load(form: str, spec: str):

@@ -1,6 +1,8 @@
 """What a round costs and yields in stored `jetflow bench` outputs, side by side: per method and
 budget, tau, tokens/s, speed-up against the run's own reference with its 95% interval, and the
-milliseconds of a round spent drafting, verifying and elsewhere, with the mean verified tree size.
+milliseconds of a round spent drafting, verifying and elsewhere, the round's time in the reference's
+own steps (``steps``: comparable across runs when the machine's speed drifts between them), and the
+mean verified tree size.
 Two drafting modes timed in separate runs compare by speed-up (each against the reference timed in
 its own run) and at equal time per round (tau against ms per round).
 
@@ -23,6 +25,7 @@ def run_rows(out: Path) -> list[dict]:
     if not runs:
         raise SystemExit(f"{out}: no runs/*.json (not a `jetflow bench` --out folder)")
     rows = []
+    ref_ms = {}
     for run in runs:
         refs = [r for r in runs if r["dataset"] == run["dataset"] and r["method"] in ("llama-ar", "ar")]
         ref = next((r for r in refs if r["method"] == "llama-ar"), refs[0] if refs else None)
@@ -36,6 +39,10 @@ def run_rows(out: Path) -> list[dict]:
             "ms_per_round": rounds_ms, "draft_ms": split.get("draft", 0.0), "verify_ms": split.get("verify", rounds_ms),
             "mean_tree_size": s.get("mean_tree_size", 1.0), "mismatches": len(s.get("mismatches", [])),
         })
+        if ref is run:
+            ref_ms[run["dataset"]] = rounds_ms
+    for row in rows:  # a round's time in plain steps of the same run: comparable across runs on a drifting machine
+        row["round_in_ref_steps"] = row["ms_per_round"] / ref_ms[row["dataset"]] if row["dataset"] in ref_ms else None
     order = {"ar": 0, "llama-ar": 0}
     rows.sort(key=lambda r: (r["dataset"], order.get(r["method"], 1), r["method"],
                              -1 if r["budget"] is None else 10**9 if r["budget"] == "auto" else int(r["budget"])))
@@ -49,13 +56,14 @@ def main() -> int:
     args = ap.parse_args()
     rows = [row for out in args.outs for row in run_rows(out)]
     print(f"{'run':22s} {'set':8s} {'method@budget':22s} {'tau':>5s} {'tok/s':>6s} {'speed-up [95%]':>20s} "
-          f"{'ms/round':>9s} {'draft':>7s} {'verify':>7s} {'tree':>6s} {'diff':>4s}")
+          f"{'ms/round':>9s} {'draft':>7s} {'verify':>7s} {'steps':>6s} {'tree':>6s} {'diff':>4s}")
     for r in rows:
         name = r["method"] + ("" if r["budget"] is None else f"@{r['budget']}")
         lo, hi = r["ci95"]
         print(f"{r['out']:22s} {r['dataset']:8s} {name:22s} {r['tau']:5.2f} {r['tokens_per_s']:6.2f} "
               f"{r['speedup']:6.2f}x [{lo:.2f}-{hi:.2f}] {r['ms_per_round']:9.1f} {r['draft_ms']:7.1f} "
-              f"{r['verify_ms']:7.1f} {r['mean_tree_size']:6.1f} {r['mismatches']:4d}")
+              f"{r['verify_ms']:7.1f} {r['round_in_ref_steps'] or float('nan'):6.2f} {r['mean_tree_size']:6.1f} "
+              f"{r['mismatches']:4d}")
     if args.json:
         write_json_atomic(args.json, {"outs": [str(o) for o in args.outs], "rows": rows})
     return 0

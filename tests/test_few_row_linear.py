@@ -112,3 +112,24 @@ def test_greedy_speculative_with_few_row_products_equals_autoregressive(transpos
     ar = jetflow.generate(transposed_target, prompt, max_new_tokens=40)
     spec = jetflow.JetFlow(transposed_target, head).generate(prompt, max_new_tokens=40, budget=16, width=7)
     assert spec.token_ids == ar.token_ids and spec.stats["rounds"] < len(ar.token_ids)
+
+
+def test_a_head_drafts_with_few_row_products_where_its_target_does_and_int8_still_quantizes(transposed_target):
+    from jetflow.decoding.block_drafter import BlockDrafter
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(transposed_target, attention="causal", block_size=8))
+    float_drafter = BlockDrafter(head, transposed_target)
+    assert float_drafter.few_rows and all(type(m) is FewRowLinear for m in head.modules() if isinstance(m, nn.Linear))
+    int8_drafter = BlockDrafter(head, transposed_target, int8=True)
+    assert not int8_drafter.few_rows
+    assert not any(type(m) in (nn.Linear, FewRowLinear) for m in int8_drafter.run_head.layers.modules())
+    prefix = [5, 9, 13, 17, 21, 25]
+    out = transposed_target.prefill(prefix)
+    float_drafter.extend(out.hidden)
+    few = float_drafter.head_logprobs(prefix[-1], len(prefix))
+    float_drafter.few_rows = False
+    plain = float_drafter.head_logprobs(prefix[-1], len(prefix))
+    assert few.shape == plain.shape and few.shape[0] == 7
+    torch.testing.assert_close(few, plain, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,7 @@ import torch
 from jetflow.decoding.refine import refined_proposal, tree_passes, tree_refined_proposal
 from jetflow.models.backend import TargetBackend
 from jetflow.models.draft_head import DraftHead, check_compatible
+from jetflow.models.few_row_linear import few_row_linear, use_few_row_linear
 from jetflow.models.int8 import int8_linear, int8_linears
 from jetflow.tree.build import DraftTree, build_tree
 from jetflow.tree.calibration import TreeCalibration
@@ -54,6 +55,10 @@ class BlockDrafter:
         # The head's slice of the target's LM head, taken once (all of it unless the vocabulary is reduced).
         self.lm_weight = head.output_weight(target.lm_head_weight())
         self.int8 = int8
+        # Where the target's few-row products run as W @ x^T (this CPU's BLAS is faster so), so do the head's.
+        self.few_rows = not int8 and getattr(target, "linear_form", "standard") == "transposed"
+        if self.few_rows:
+            use_few_row_linear(self.head, form="transposed")
         self.run_head, self.lm_head = self.head, None
         if int8:  # the lean CPU path: int8 weights, float activations (see jetflow/models/int8.py)
             self.run_head = int8_linears(self.head)
@@ -136,7 +141,7 @@ class BlockDrafter:
     def _output_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float().log_softmax(-1)
-        return draft_logprobs(hidden, self.lm_weight)
+        return draft_logprobs(hidden, self.lm_weight, self.few_rows)
 
     @torch.inference_mode()
     def head_logprobs(self, anchor: int, position: int, depth: int | None = None) -> torch.Tensor:
@@ -223,6 +228,7 @@ def scatter_draft_vocab(logprobs: torch.Tensor, draft_ids: torch.Tensor | None, 
     return full.index_copy_(1, draft_ids, logprobs)
 
 
-def draft_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [N, Vd] over the head's own (possibly reduced) vocabulary."""
-    return (hidden.to(lm_weight.dtype) @ lm_weight.T).float().log_softmax(-1)
+def draft_logprobs(hidden: torch.Tensor, lm_weight: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """Log-probabilities [N, Vd] over the head's own (possibly reduced) vocabulary; ``transposed``:
+    few rows computed as W @ h^T (models/few_row_linear.py)."""
+    return few_row_linear(hidden.to(lm_weight.dtype), lm_weight, transposed).float().log_softmax(-1)

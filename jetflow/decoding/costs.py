@@ -15,25 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from jetflow.decoding.drafter import Drafter
 from jetflow.models.backend import TargetBackend
-
-
-def median_ms(fn, reps: int) -> float:
-    """Median wall milliseconds of ``fn()`` over ``reps`` calls, after one warm-up call."""
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+from jetflow.utils.timing import median_ms  # noqa: F401  (benchmarks import it from here)
 
 
 def _random_tree(n: int, generator: torch.Generator) -> list[int]:

@@ -54,7 +54,9 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     settings = BenchSettings(target=target.name, drafters=used,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
                              width=width, repeats=repeats,
-                             extra={"refine": refine} if refine != 1 else {})
+                             extra=({"refine": refine} if refine != 1 else {})
+                             | ({"linear_form": target.linear_form}  # verifies timed with few-row products
+                                if getattr(target, "linear_form", "standard") != "standard" else {}))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = run_benchmark(runner, methods, datasets, budgets, settings, out, interleave=interleave)

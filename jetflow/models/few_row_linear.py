@@ -20,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from jetflow.utils.timing import median_ms
 
 MAX_ROWS = 320  # above this the plain product is as fast or faster (measured up to 1024 rows)
 PROBE_ROWS = (2, 16)  # the verify sizes `auto` picks on a CPU
@@ -37,18 +38,23 @@ class FewRowLinear(nn.Linear):
     state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        if not 2 <= rows <= MAX_ROWS or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        y = transposed_linear(x.reshape(rows, k), self.weight, self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        y = few_row_linear(x, self.weight, True)
+        return y if self.bias is None else y + self.bias
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2D ``x``, as (W @ x^T)^T (a transposed view, no copy)."""
     y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``x @ weight.T`` for any leading shape, as :class:`FewRowLinear` computes it when ``transposed``."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not transposed or not 2 <= rows <= MAX_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight)
+    return transposed_linear(x.reshape(rows, k), weight, None).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def requested_form() -> str:
@@ -58,14 +64,14 @@ def requested_form() -> str:
     return form
 
 
-def use_few_row_linear(model: nn.Module, cache_dir=None) -> str:
+def use_few_row_linear(model: nn.Module, cache_dir=None, form: str | None = None) -> str:
     """Switch the CPU model's linear layers to :class:`FewRowLinear` where W @ x^T is faster on
-    this machine (or where ``JETFLOW_CPU_LINEAR`` asks); returns the form in use, "transposed" or
-    "standard"."""
+    this machine (or where ``JETFLOW_CPU_LINEAR`` or ``form`` asks); returns the form in use,
+    "transposed" or "standard"."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if not linears or linears[0].weight.device.type != "cpu":
         return "standard"
-    form = requested_form()
+    form = requested_form() if form is None else form
     if form == "auto":
         form = "transposed" if cached_choice(linears, cache_dir) else "standard"
     if form == "transposed":
@@ -110,15 +116,6 @@ def transposed_is_faster(weights: list[torch.Tensor], reps: int = 5) -> tuple[bo
     ``PROBE_ROWS`` rows (medians of ``reps`` after a warm-up), and the times in ms per form. The
     layers are timed as called, Python included: for a small model that overhead outweighs any gain
     in the product itself."""
-    def median_ms(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e3 * sorted(times)[reps // 2]
-
     times = {"standard": 0.0, "transposed": 0.0}
     for w in weights:
         layers = {}
@@ -128,5 +125,5 @@ def transposed_is_faster(weights: list[torch.Tensor], reps: int = 5) -> tuple[bo
         for rows in PROBE_ROWS:
             x = torch.randn(1, rows, w.shape[1], dtype=w.dtype)
             for form, layer in layers.items():
-                times[form] += median_ms(lambda: layer(x))
+                times[form] += median_ms(lambda: layer(x), reps)
     return times["transposed"] < 0.9 * times["standard"], times

@@ -23,7 +23,11 @@ def _quantize(module: nn.Module) -> nn.Module:
 
 def int8_linears(module: nn.Module) -> nn.Module:
     """A copy of ``module`` (float32, CPU) whose ``nn.Linear`` layers run with int8 weights."""
-    return _quantize(copy.deepcopy(module).float().cpu().eval())
+    twin = copy.deepcopy(module).float().cpu().eval()
+    for m in twin.modules():
+        if isinstance(m, nn.Linear):  # a FewRowLinear too (models/few_row_linear.py): quantized as what it is
+            m.__class__ = nn.Linear
+    return _quantize(twin)
 
 
 def int8_linear(weight: torch.Tensor) -> nn.Module:
