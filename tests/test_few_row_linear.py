@@ -48,6 +48,9 @@ def test_the_form_is_forced_by_env_refused_when_unknown_and_keeps_the_weights(mo
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is FewRowLinear for m in linears)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert use_few_row_linear(model, form="transposed") == "transposed"  # again: nothing changes
+    assert use_few_row_linear(model, form="standard") == "standard"  # and back
+    assert all(type(m) is nn.Linear for m in linears)
     monkeypatch.setenv(ENV, "fastest")
     with pytest.raises(ValueError, match=ENV):
         use_few_row_linear(tiny_model("llama"))

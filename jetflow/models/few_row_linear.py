@@ -3,8 +3,8 @@
 A tree verify multiplies every weight matrix by a few rows (its nodes). PyTorch computes x @ W^T;
 with the MKL it ships for x86, on an AMD EPYC (AVX2) that product takes about twice as long for 2
 rows as for 1 and runs at 5-15 GFLOP/s up to 17 rows, while the same numbers as W @ x^T come
-2-3x faster there (SmolLM2's LM head, 49152 x 576: 22 ms for 2 rows against 7.9 ms; a 17-token
-verify of the whole model 264 -> 209 ms; ``python benchmarks/few_row_linear.py``). One row is a
+2-3x faster there (SmolLM2's LM head, 49152 x 576: 31 ms for 2 rows against 12 ms; a verify of
+2-17 tokens in 0.66-0.82x the time; ``python benchmarks/few_row_linear.py``). One row is a
 matrix-vector product either way and is left alone, and so are large batches (training, long
 prefill chunks), where the two are level or the plain product wins.
 
@@ -66,17 +66,16 @@ def requested_form() -> str:
 
 def use_few_row_linear(model: nn.Module, cache_dir=None, form: str | None = None) -> str:
     """Switch the CPU model's linear layers to :class:`FewRowLinear` where W @ x^T is faster on
-    this machine (or where ``JETFLOW_CPU_LINEAR`` or ``form`` asks); returns the form in use,
-    "transposed" or "standard"."""
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    this machine (or where ``JETFLOW_CPU_LINEAR`` or ``form`` asks), or back; returns the form in
+    use, "transposed" or "standard"."""
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, FewRowLinear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return "standard"
     form = requested_form() if form is None else form
     if form == "auto":
         form = "transposed" if cached_choice(linears, cache_dir) else "standard"
-    if form == "transposed":
-        for m in linears:
-            m.__class__ = FewRowLinear
+    for m in linears:
+        m.__class__ = FewRowLinear if form == "transposed" else nn.Linear
     return form
 
 
