@@ -23,10 +23,10 @@ def _quantize(module: nn.Module) -> nn.Module:
 
 def int8_linears(module: nn.Module) -> nn.Module:
     """A copy of ``module`` (float32, CPU) whose ``nn.Linear`` layers run with int8 weights."""
+    from jetflow.models.few_row_linear import use_few_row_linear
+
     twin = copy.deepcopy(module).float().cpu().eval()
-    for m in twin.modules():
-        if isinstance(m, nn.Linear):  # a FewRowLinear too (models/few_row_linear.py): quantized as what it is
-            m.__class__ = nn.Linear
+    use_few_row_linear(twin, form="standard")  # FewRowLinear layers back to nn.Linear, which quantizes
     return _quantize(twin)
 
 
