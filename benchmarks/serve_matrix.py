@@ -4,9 +4,11 @@ benchmarks/load_server.py windows against it, stop it (SIGTERM), and collect the
     python benchmarks/serve_matrix.py --configs llamacpp-batch,torch-batch,torch-serial \
         --clients 1,8,32 --seconds 120 --out docs/results/server_matrix.json
 
-A config is BACKEND-MODE: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
-(--max-batch 1, one request at a time); ``CONFIG:CLIENTS`` restricts its client counts, joined
-with '+', e.g. ``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
+A config is BACKEND-MODE[@FORM]: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
+(--max-batch 1, one request at a time); FORM sets the torch server's JETFLOW_CPU_LINEAR
+(auto|transposed|standard: how its CPU linear layers multiply a few rows), e.g.
+``torch-batch@standard``; ``CONFIG:CLIENTS`` restricts its client counts, joined with '+', e.g.
+``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
 and --budget auto. Resumable: windows already in --out are not run again.
 """
 
@@ -41,14 +43,18 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def run_config(name: str, clients: str, args) -> dict:
-    backend, _, mode = name.partition("-")
+    base, _, form = name.partition("@")
+    backend, _, mode = base.partition("-")
     if backend not in ("torch", "llamacpp") or mode not in ("batch", "serial"):
         raise SystemExit(f"config {name!r}: expected BACKEND-MODE with BACKEND torch|llamacpp and MODE batch|serial")
+    if form and (backend != "torch" or form not in ("auto", "transposed", "standard")):
+        raise SystemExit(f"config {name!r}: @FORM is auto|transposed|standard, for the torch backend")
+    env = dict(os.environ, **({"JETFLOW_CPU_LINEAR": form} if form else {}))
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
            "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64", *args.server_args.split()]
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_ready(url, server)
         out = Path(args.tmp) / f"{name}.json"
@@ -63,7 +69,8 @@ def run_config(name: str, clients: str, args) -> dict:
         except subprocess.TimeoutExpired:
             server.kill()
     windows = result["windows"] if "windows" in result else [result]
-    return {"command": " ".join(["jetflow"] + cmd[3:]), "windows": windows}
+    prefix = f"JETFLOW_CPU_LINEAR={form} " if form else ""
+    return {"command": prefix + " ".join(["jetflow"] + cmd[3:]), "windows": windows}
 
 
 def main() -> None:
