@@ -65,6 +65,7 @@ class OracleDrafter:
     def __init__(self, target, block_size: int = 8, good_depth: int = 99, seed: int = 0, sharpen: float = 1.0):
         self.target, self.block_size, self.good_depth, self.sharpen = target, block_size, good_depth, sharpen
         self.gen = torch.Generator().manual_seed(seed)
+        self.known = {}  # committed tokens -> the target's next-token logits (the statistical tests ask often)
 
     def reset(self):
         pass
@@ -86,9 +87,12 @@ class OracleDrafter:
         seq = list(self.target.token_ids) + [anchor]
         rows = []
         for d in range(self.block_size - 1):
-            logits = self.target.model(torch.tensor([seq])).logits[0, -1].float()
-            if d >= self.good_depth:
-                logits = torch.randn(logits.shape, generator=self.gen) * 3
+            if d >= self.good_depth:  # random, so no target forward
+                logits = torch.randn(self.target.model.config.vocab_size, generator=self.gen) * 3
+            else:
+                if (key := tuple(seq)) not in self.known:
+                    self.known[key] = self.target.model(torch.tensor([seq])).logits[0, -1].float()
+                logits = self.known[key]
             rows.append((logits * self.sharpen).log_softmax(-1))
             seq.append(int(rows[-1].argmax()))
         return torch.stack(rows)
