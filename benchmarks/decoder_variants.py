@@ -18,9 +18,8 @@ import argparse
 import dataclasses
 
 from jetflow.cli import _refine_mode
-from jetflow.eval.bootstrap import speedup_interval
 from jetflow.eval.datasets import load_eval_set
-from jetflow.eval.harness import BenchSettings, run_interleaved, summarize
+from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
 from jetflow.eval.machine import machine
 from jetflow.eval.methods import METHODS, MethodRunner
 from jetflow.models.checkpoint import load_drafter
@@ -58,11 +57,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     variants = args.variants.split(",")
+    modes = {v: parse_variant(v) for v in variants}  # refused before the model loads
     budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
     target = load_target(args.target, backend="torch")
     runners = {}
-    for variant in variants:
-        refine, width = parse_variant(variant)
+    for variant, (refine, width) in modes.items():
         head = load_drafter(shipped_drafter(target.name), target=target, device=target.device)  # one copy each
         runners[variant] = MethodRunner(target, {"causal": head}, width=width, refine=refine)
     runs = [(METHODS["ar"], None)]
@@ -72,28 +71,13 @@ def main() -> int:
     runner = VariantRunner(runners)
     result = {"machine": machine(), "settings": {**vars(args), "linear_form": target.linear_form}, "datasets": {}}
     for dataset in args.datasets.split(","):
-        prompts = load_eval_set(dataset, args.limit)
-        for spec, budget in runs:  # warm-up: one-time costs (allocations, the cost curve of `auto`)
-            runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
-        records = run_interleaved(runner, runs, prompts, settings)
-        reference = records[0]
-        rows = {}
-        for (spec, budget), recs in zip(runs, records):
-            name = spec.name + ("" if budget is None else f"@{budget}")
-            s = summarize(recs, reference, greedy=True)
-            s["ci95"] = s.get("speedup_ci95") or [1.0, 1.0]
-            rows[name] = {"summary": s, "records": recs}
-            print(f"{dataset:8s} {name:34s} tau {s['tau']:5.2f}  {s['tokens_per_s']:6.2f} tok/s  "
-                  f"speed-up {s.get('speedup', 1.0):.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]  "
-                  f"outputs differing {len(s.get('mismatches', []))}")
+        rows = run_side_by_side(runner, runs, load_eval_set(dataset, args.limit), settings, dataset)
         for budget in budgets:  # each variant against the first, method for method
             base = rows[f"jetflow-lookup/{variants[0]}@{budget}"]
             for v in variants[1:]:
-                a = rows[f"jetflow-lookup/{v}@{budget}"]
-                ci = speedup_interval(a["records"], base["records"])
-                ratio = a["summary"]["tokens_per_s"] / base["summary"]["tokens_per_s"]
-                rows[f"{v}_vs_{variants[0]}@{budget}"] = {"ratio": ratio, "ci95": ci}
-                print(f"{dataset:8s} @{budget}: {v} / {variants[0]} {ratio:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]")
+                c = rows[f"{v}_vs_{variants[0]}@{budget}"] = compare_rows(rows[f"jetflow-lookup/{v}@{budget}"], base)
+                print(f"{dataset:8s} @{budget}: {v} / {variants[0]} {c['ratio']:.2f}x "
+                      f"[{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
         result["datasets"][dataset] = rows
         write_json_atomic(args.out, result)
     return 0

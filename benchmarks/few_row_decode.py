@@ -16,9 +16,8 @@ import dataclasses
 import os
 
 from jetflow.models.shipped import shipped_drafter
-from jetflow.eval.bootstrap import speedup_interval
 from jetflow.eval.datasets import load_eval_set
-from jetflow.eval.harness import BenchSettings, run_interleaved, summarize
+from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
 from jetflow.eval.machine import machine
 from jetflow.eval.methods import METHODS, MethodRunner
 from jetflow.models.checkpoint import load_drafter
@@ -64,29 +63,13 @@ def main() -> int:
     runner = FormRunner(runners)
     result = {"machine": machine(), "settings": vars(args), "datasets": {}}
     for dataset in args.datasets.split(","):
-        prompts = load_eval_set(dataset, args.limit)
-        for spec, budget in runs:  # warm-up: one-time costs (allocations, the cost curve of `auto`)
-            runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
-        records = run_interleaved(runner, runs, prompts, settings)
-        reference = records[0]
-        rows = {}
-        for (spec, budget), recs in zip(runs, records):
-            name = spec.name + ("" if budget is None else f"@{budget}")
-            s = summarize(recs, reference, greedy=True)
-            s["ci95"] = s.get("speedup_ci95") or [1.0, 1.0]
-            rows[name] = {"summary": s, "records": recs}
-            print(f"{dataset:8s} {name:30s} tau {s['tau']:5.2f}  {s['tokens_per_s']:6.2f} tok/s  "
-                  f"speed-up {s.get('speedup', 1.0):.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]  "
-                  f"outputs differing {len(s.get('mismatches', []))}")
+        rows = run_side_by_side(runner, runs, load_eval_set(dataset, args.limit), settings, dataset)
         for budget in budgets:  # the two forms against each other, method for method
-            a, b = rows[f"jetflow-lookup/transposed@{budget}"], rows[f"jetflow-lookup/standard@{budget}"]
-            ci = speedup_interval(a["records"], b["records"])
-            ratio = a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
-            rows[f"transposed_vs_standard@{budget}"] = {"ratio": ratio, "ci95": ci}
-            print(f"{dataset:8s} @{budget}: transposed / standard {ratio:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]")
-        ci = speedup_interval(rows["ar/transposed"]["records"], reference)
-        print(f"{dataset:8s} ar: transposed / standard {rows['ar/transposed']['summary']['speedup']:.2f}x "
-              f"[{ci[0]:.2f}-{ci[1]:.2f}]")
+            c = rows[f"transposed_vs_standard@{budget}"] = compare_rows(rows[f"jetflow-lookup/transposed@{budget}"],
+                                                                        rows[f"jetflow-lookup/standard@{budget}"])
+            print(f"{dataset:8s} @{budget}: transposed / standard {c['ratio']:.2f}x [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
+        c = compare_rows(rows["ar/transposed"], rows["ar/standard"])
+        print(f"{dataset:8s} ar: transposed / standard {c['ratio']:.2f}x [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
         result["datasets"][dataset] = rows
         write_json_atomic(args.out, result)
     return 0

@@ -214,6 +214,31 @@ def test_interleaved_runs_rotate_per_prompt_and_match_sequential_runs(tiny_dir, 
     assert {m for m, _, _ in calls} == {"lookup"} and len(calls) == 4
 
 
+def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
+    from jetflow.eval.datasets import EvalPrompt
+    from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
+
+    target = TargetModel.load(str(tiny_dir))
+    runner = MethodRunner(target, {"causal": load_drafter(heads["causal"], target=target)}, width=3)
+    prompts = [EvalPrompt("mine", f"p{i}", (f"question {i}",)) for i in range(3)]
+    settings = BenchSettings(target="tiny", drafters={}, max_new_tokens=6)
+    runs = [(METHODS["ar"], None), (METHODS["jetflow"], 4), (METHODS["lookup"], None)]
+    rows = run_side_by_side(runner, runs, prompts, settings, "mine")
+    assert list(rows) == ["ar", "jetflow@4", "lookup"]
+    printed = capsys.readouterr().out.splitlines()
+    for name, row in rows.items():
+        assert [r["id"] for r in row["records"]] == ["p0", "p1", "p2"]
+        assert row["summary"].get("mismatches", []) == []  # every greedy output equals the first run's
+        assert any(line.split()[:2] == ["mine", name] for line in printed)
+        s = row["summary"]
+        assert s["tokens_per_s"] == pytest.approx(s["new_tokens"] / s["seconds"])
+    assert tuple(rows["ar"]["summary"]["ci95"]) == (1.0, 1.0)
+    c = compare_rows(rows["jetflow@4"], rows["ar"])
+    assert c["ratio"] == pytest.approx(rows["jetflow@4"]["summary"]["speedup"])
+    lo, hi = c["ci95"]
+    assert lo <= hi and (lo, hi) == tuple(rows["jetflow@4"]["summary"]["ci95"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "ar,dflash"], "pass --baseline-drafter"),
     (["--methods", "eagle3"], "'eagle3' needs a eagle3 draft head: pass --eagle-drafter"),

@@ -108,6 +108,34 @@ def run_interleaved(runner: MethodRunner, runs: list[tuple[MethodSpec, int | Non
     return records
 
 
+def run_side_by_side(runner, runs: list[tuple[MethodSpec, int | None]], prompts: list[EvalPrompt],
+                     settings: BenchSettings, label: str) -> dict[str, dict]:
+    """Warm every run up on the first prompt (one-time costs: allocations, the cost curve of
+    `auto`), time them interleaved (:func:`run_interleaved`) and summarize each against the first
+    run, which every greedy output must equal; prints a line per run. Returns {run name: {"summary",
+    "records"}}, names as "method@budget"."""
+    for spec, budget in runs:
+        runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
+    records = run_interleaved(runner, runs, prompts, settings)
+    rows = {}
+    for (spec, budget), recs in zip(runs, records):
+        name = spec.name + ("" if budget is None else f"@{budget}")
+        s = summarize(recs, records[0], greedy=settings.temperature == 0)
+        s["ci95"] = s.get("speedup_ci95") or [1.0, 1.0]
+        rows[name] = {"summary": s, "records": recs}
+        print(f"{label:8s} {name:34s} tau {s['tau']:5.2f}  {s['tokens_per_s']:6.2f} tok/s  "
+              f"speed-up {s.get('speedup', 1.0):.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]  "
+              f"outputs differing {len(s.get('mismatches', []))}")
+    return rows
+
+
+def compare_rows(a: dict, b: dict) -> dict:
+    """Run ``a`` against run ``b`` of :func:`run_side_by_side`: the tokens/s ratio and its 95%
+    interval from a paired bootstrap over prompts."""
+    return {"ratio": a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"],
+            "ci95": speedup_interval(a["records"], b["records"])}
+
+
 def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
               equal_to: list[dict] | None = None, by_category: bool = True, as_text=None) -> dict:
     """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
