@@ -388,11 +388,16 @@ def test_unverified_tree_costs_follow_the_machine_speed_of_plain_steps():
     assert ab.verify_scales()[1] == pytest.approx(0.75, rel=0.01)
 
 
-def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh():
+def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh(monkeypatch):
     """lookup_chain prices a chain once per (calibration state, match length, length) until costs
     move (a tree verified, or 16 plain steps). Here plain steps cost the same every time, so every
     offer must equal chain_offer on the chain's full tree, round after round."""
+    from jetflow.decoding import mixed_drafter
     from jetflow.decoding.mixed_drafter import MixedDrafter
+
+    # Each round below asks for its chain twice (the offer, then the reference): chains followed past
+    # their verify between the two would change the rates the reference is priced with.
+    monkeypatch.setattr(mixed_drafter, "FOLLOW_EVERY", 10**9)
 
     class History:
         token_ids: list[int] = []
@@ -429,5 +434,5 @@ def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh():
         ms = 10.0 + 0.5 * (len(tree) - 1) * rng.uniform(0.5, 2.0)
         for budget in (ab, fresh):
             budget.observe(tree, path, other_ms=0.3, verify_ms=ms)
-        history.token_ids = history.token_ids + [root] + [rng.randrange(6) for _ in range(len(path) - 1)]
+        history.token_ids = history.token_ids + [root] + [tree.tokens[n] for n in path[1:]]  # what it took
     assert offers > 20  # chains both paid and did not

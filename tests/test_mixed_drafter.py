@@ -238,6 +238,40 @@ def test_observe_counts_how_far_the_target_followed_the_chain():
         [r - math.sqrt(r * (1 - r) / 3) for r in shrunk])
 
 
+def test_a_chain_taken_up_to_its_cut_is_followed_past_it():
+    """A verify held the chain's first two tokens and took both: the chain's later tokens are counted
+    against what the target produced next, as for a chain no verify held, so the depths past the cut
+    get tried; a verified part not taken whole is counted at once, as before."""
+    history = _History()
+    drafter = MixedDrafter(_Primary(), history)
+    drafter.calibration.window = None
+    drafter.calibration.log_rates = lambda ngram, depth: [math.log(0.5)] * depth
+    proposal = drafter.propose(3, 7, 100, 1, max_nodes=2)
+    assert proposal.chain == [4, 5, 1, 2, 3]
+    tree = proposal.tree(2)
+    assert paths(tree) == [(4,), (4, 5)]  # cut after two chain tokens
+    taken = [tree.children[0][4]]
+    taken.append(tree.children[taken[-1]][5])
+    drafter.observe(tree, [0] + taken)
+    assert drafter.calibration.trials.sum() == 0  # not decided yet: the target may go on with 1 2 3
+    history.token_ids = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # it took 4 5 (verified), then 1 2 ...
+    drafter.propose_lookup(7, 100)  # ... and 7, not 3 (a later round's anchor)
+    drafter.reset()  # the request ends: pending chains are counted
+    reference = LookupCalibration(drafter.max_ngram, drafter.max_draft)
+    reference.observe(3, 5, 4)  # five chain tokens, four followed
+    assert np.array_equal(drafter.calibration.trials, reference.trials)
+    assert np.array_equal(drafter.calibration.hits, reference.hits)
+
+    drafter = MixedDrafter(_Primary(), _History())  # the same verify, the target taking only 4
+    drafter.calibration.window = None
+    drafter.calibration.log_rates = lambda ngram, depth: [math.log(0.5)] * depth
+    tree = drafter.propose(3, 7, 100, 1, max_nodes=2).tree(2)
+    drafter.observe(tree, [0, tree.children[0][4]])
+    reference = LookupCalibration(drafter.max_ngram, drafter.max_draft)
+    reference.observe(3, 2, 1)
+    assert np.array_equal(drafter.calibration.trials, reference.trials)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_chains_no_verify_held_are_scored_against_what_the_target_produced(seed):
     """Plain rounds verify no chain. Each chain they were offered is counted (in batches, the last

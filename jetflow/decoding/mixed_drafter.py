@@ -125,6 +125,57 @@ class LookupCalibration:
                 self.hits[ngram, d] *= shrink
 
 
+class PendingChains:
+    """Lookup chains offered but not yet counted, each as (match length, chain, where its first token
+    goes: an index into the committed tokens followed by the anchor): chains no verify held (plain
+    rounds, trees without them) and chains whose verified part was taken whole. They are counted
+    into ``calibration`` once the target's own tokens since have decided them (a token it missed, or
+    all of the chain taken), every ``FOLLOW_EVERY`` rounds and when a request ends: greedy
+    acceptance is decided by the target's own next tokens, so how far it would have followed a chain
+    is known for free (and a sampled token equals a one-token draft with the probability that draft
+    is accepted). Without this, a calibration that prices chains (or their deeper tokens) too low to
+    be verified would never see them again, and featureless requests, which verify no head tree,
+    would never learn it. Decoding (:class:`MixedDrafter`) and its offline replay share it."""
+
+    def __init__(self, calibration: LookupCalibration):
+        self.calibration, self.chains, self.rounds = calibration, [], 0
+
+    def add(self, ngram: int, chain: list[int], start: int) -> None:
+        self.chains.append((ngram, chain, start))
+
+    def tick(self, tokens, anchor: int) -> None:
+        """A round begins (``tokens`` committed, ``anchor`` the target's latest token after them)."""
+        self.rounds += 1
+        if self.rounds >= FOLLOW_EVERY and self.chains:
+            self.follow(tokens, anchor)
+
+    def follow(self, tokens, anchor: int) -> None:
+        """Count the chains that ``tokens`` and ``anchor`` decide; keep the others."""
+        pending, self.rounds = [], 0
+        for ngram, chain, start in self.chains:
+            produced = [int(t) for t in tokens[start:start + len(chain)]]  # the target's tokens where the chain's went
+            if start + len(produced) == len(tokens) and len(produced) < len(chain):
+                produced.append(int(anchor))  # ... the anchor (its latest token) included
+            followed = common_prefix(chain, produced)
+            if followed < len(produced) or followed == len(chain):  # a token it missed, or all of it taken
+                self.calibration.observe(ngram, len(chain), followed)
+            else:
+                pending.append((ngram, chain, start))
+        self.chains = pending
+
+    def observe_verified(self, ngram: int, chain: list[int], start: int, verified: int, followed: int) -> None:
+        """A verify held the chain's first ``verified`` tokens and the target took ``followed``."""
+        if 0 < followed == verified < len(chain):
+            # All of the verified part was taken and the chain went on past the cut: follow the rest
+            # later. Counted only up to the cut, the depths below it would stay untried, priced by the
+            # prior alone, and so never verified (seen: code edits whose 10-token chains the target
+            # takes whole, cut to 4 nodes round after round; docs/results.md, "Copy-heavy requests on
+            # torch, with few-row products").
+            self.add(ngram, chain, start)
+        else:
+            self.calibration.observe(ngram, verified, followed)
+
+
 class MixedProposal:
     def __init__(self, primary, root: int, chain: list[int], chain_logq: list[float], scores_key=None):
         """``chain_logq[d-1]``: estimated log P(chain token d accepted | token d-1 accepted).
@@ -173,12 +224,11 @@ class MixedDrafter:
         self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)
         self.max_ngram, self.max_draft = max_ngram, max_draft
         self.calibration = LookupCalibration(max_ngram, max_draft, window=LOOKUP_WINDOW)
-        # (match length, chain, where its first token goes: an index into the committed tokens
-        # followed by the anchor) of the latest proposal, until a verify that held it is observed
+        # (match length, chain, where its first token goes) of the latest proposal, until a verify
+        # that held it is observed
         self._last: tuple[int, list[int], int] | None = None
-        self._unverified: list[tuple[int, list[int], int]] = []  # offered chains no verify held
+        self._pending = PendingChains(self.calibration)
         self._anchor: int | None = None  # the latest proposal's anchor
-        self._rounds_unfollowed = 0  # proposals since the unverified chains were last counted
         self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
@@ -186,10 +236,11 @@ class MixedDrafter:
         return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft)
 
     def reset(self) -> None:
-        if self._unverified:  # the last batch, counted against the tokens the latest proposal saw
-            self._follow_unverified(self.index.tokens, self._anchor)
+        if self._pending.chains:  # the last batch, counted against the tokens the latest proposal saw
+            self._pending.follow(self.index.tokens, self._anchor)
         self.primary.reset()
-        self._last, self._unverified, self._anchor, self._rounds_unfollowed = None, [], None, 0
+        self._last, self._anchor = None, None
+        self._pending = PendingChains(self.calibration)
         self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -218,48 +269,26 @@ class MixedDrafter:
         """This round's lookup match (match length, chain), with the bookkeeping of offered chains."""
         tokens, anchor = self.target.token_ids, int(anchor)
         if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, no verify held it
-            self._unverified.append(self._last)
+            self._pending.add(*self._last)
             self._last = None
-        self._rounds_unfollowed += 1
-        if self._rounds_unfollowed >= FOLLOW_EVERY and self._unverified:
-            self._follow_unverified(tokens, anchor)
+        self._pending.tick(tokens, anchor)
         self.index.sync(tokens)
         self._anchor = anchor
         ngram, chain = self.index.match(anchor, min(self.max_draft, room))
         self._last = (ngram, chain, len(tokens) + 1) if chain else None
         return ngram, chain
 
-    def _follow_unverified(self, tokens: list[int], anchor: int) -> None:
-        """Count the chains that earlier rounds offered but did not verify (plain rounds, and trees
-        cut before them), against what the target produced since: greedy acceptance is decided by
-        the target's own next tokens, so how far it would have followed a chain is known for free
-        (and a sampled token equals a one-token draft with the probability that draft is accepted).
-        Without this, a calibration that prices chains too low to be verified would never see
-        them again, and featureless requests, which verify no head tree, would never learn it.
-        ``tokens``: the target's committed tokens, ``anchor`` its latest token after them."""
-        pending, self._rounds_unfollowed = [], 0
-        for ngram, chain, start in self._unverified:
-            produced = tokens[start:start + len(chain)]  # the target's tokens where the chain's went
-            if start + len(produced) == len(tokens) and len(produced) < len(chain):
-                produced = [*produced, anchor]  # ... the anchor (its latest token) included
-            followed = common_prefix(chain, produced)
-            if followed < len(produced) or followed == len(chain):  # a token it missed, or all of it taken
-                self.calibration.observe(ngram, len(chain), followed)
-            else:
-                pending.append((ngram, chain, start))
-        self._unverified = pending
-
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Count how far the target followed the lookup chain, where the verified tree held it."""
         self.primary.observe(tree, path)
         if self._last is None:
             return
-        ngram, chain, _ = self._last
+        ngram, chain, start = self._last
         node, verified = 0, 0
         for token in chain:
             node = tree.children[node].get(token)
             if node is None:
                 break
             verified += 1
-        self.calibration.observe(ngram, verified, chain_followed(chain, tree, path))
+        self._pending.observe_verified(ngram, chain, start, verified, chain_followed(chain, tree, path))
         self._last = None

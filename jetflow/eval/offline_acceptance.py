@@ -35,7 +35,7 @@ from tqdm import tqdm
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
-from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, chain_followed
+from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, PendingChains, chain_followed
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.eval.replay_journal import ReplayJournal
@@ -226,11 +226,14 @@ class ReplayRounds:
         return tree_refined_proposal(_DrafterAt(self, anchor), int(self.tokens[anchor]), anchor, first, self.width,
                                      budget, self.tree_refine)
 
-    def accepted_with_lookup(self, anchor: int, budget: int, lookup_rates: LookupCalibration) -> int:
+    def accepted_with_lookup(self, anchor: int, budget: int, pending: PendingChains) -> int:
         """Draft tokens accepted from the head's tree merged with the lookup chain (as
-        MixedDrafter.propose builds it), and the round counted into ``lookup_rates`` as decoding does."""
+        MixedDrafter.propose builds it), and the round counted into ``pending.calibration`` as
+        decoding does (chains decided later are counted later, as there)."""
         self._walk_to(anchor)
         history = self.tokens[:anchor + 1].numpy()
+        pending.tick(history[:anchor], int(history[anchor]))
+        lookup_rates = pending.calibration
         ngram, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
         root = int(self.tokens[anchor])
         head = self.tree_refined(anchor, budget) if self.tree_refine else _HeadTree(self.trees[anchor], root,
@@ -240,7 +243,7 @@ class ReplayRounds:
         nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
         if chain and len(tree) > 1:
             verified = len(path_nodes(tree, chain))
-            lookup_rates.observe(ngram, verified, chain_followed(chain, tree, [0, *nodes]))
+            pending.observe_verified(ngram, chain, anchor + 1, verified, chain_followed(chain, tree, [0, *nodes]))
         return len(nodes)
 
     def _walk_to(self, anchor: int) -> None:
@@ -332,12 +335,14 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
                 lookup_rates = None
                 if lookup and arm != CHAIN:  # one per request, or one for the whole session
                     lookup_rates = session[arm] if session is not None else LookupCalibration()
-                a = seq.prompt_len
+                pending = PendingChains(lookup_rates) if lookup_rates is not None else None
+                a = previous = seq.prompt_len
                 while a <= last:
-                    depth = rounds.accepted(a, arm) if lookup_rates is None else \
-                        rounds.accepted_with_lookup(a, arm, lookup_rates)
+                    depth = rounds.accepted(a, arm) if pending is None else rounds.accepted_with_lookup(a, arm, pending)
                     add(arm, depth)
-                    a += depth + 1
+                    a, previous = a + depth + 1, a
+                if pending is not None and pending.chains:  # the request ends (decoding: the drafter's reset)
+                    pending.follow(rounds.tokens[:previous].tolist(), int(rounds.tokens[previous]))
         else:
             rounds.prefetch(picks.tolist())
             for a in picks.tolist():
