@@ -1,5 +1,5 @@
-"""Few-row linear layers as W @ x^T: the same numbers as nn.Linear up to rounding, chosen once per
-machine, and lossless decoding with them."""
+"""Few-row linear layers as W @ x^T (and one row as two): the same numbers as nn.Linear up to
+rounding, chosen once per machine, and lossless decoding with them."""
 
 import json
 
@@ -9,16 +9,18 @@ from torch import nn
 
 import jetflow
 from jetflow.models import few_row_linear
-from jetflow.models.few_row_linear import ENV, MAX_ROWS, FewRowLinear, cached_choice, use_few_row_linear
+from jetflow.models.few_row_linear import (ENV, LAYERS, MAX_ROWS, FewRowLinear, PairedRowLinear, cached_choice,
+                                          use_few_row_linear)
 from jetflow.models.target import TargetModel
 from tiny import tiny_model
 
 
+@pytest.mark.parametrize("cls", [FewRowLinear, PairedRowLinear])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_row_linear_equals_linear_and_leaves_one_row_and_big_batches_alone(bias):
+def test_few_row_linear_equals_linear_and_leaves_big_batches_alone(bias, cls):
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
-    few = FewRowLinear(48, 80, bias=bias)
+    few = cls(48, 80, bias=bias)
     few.load_state_dict(layer.state_dict())
     for shape in [(1, 48), (1, 1, 48), (2, 48), (1, 7, 48), (3, 5, 48), (MAX_ROWS, 48), (1, MAX_ROWS + 1, 48)]:
         x = torch.randn(*shape)
@@ -26,15 +28,16 @@ def test_few_row_linear_equals_linear_and_leaves_one_row_and_big_batches_alone(b
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         rows = x.numel() // 48
-        if rows == 1 or rows > MAX_ROWS:  # untouched: bit for bit nn.Linear
+        if (rows == 1 and cls is FewRowLinear) or rows > MAX_ROWS:  # untouched: bit for bit nn.Linear
             assert torch.equal(got, want)
     # the brute-force reference: every output is the dot product of its row and the weight's row
-    x = torch.randn(4, 48, dtype=torch.float64)
     few64 = few.double()
-    ref = torch.stack([torch.stack([(x[i] * few64.weight[j]).sum() for j in range(80)]) for i in range(4)])
-    if bias:
-        ref = ref + few64.bias
-    torch.testing.assert_close(few64(x), ref)
+    for rows in (1, 4):
+        x = torch.randn(rows, 48, dtype=torch.float64)
+        ref = torch.stack([torch.stack([(x[i] * few64.weight[j]).sum() for j in range(80)]) for i in range(rows)])
+        if bias:
+            ref = ref + few64.bias
+        torch.testing.assert_close(few64(x), ref)
 
 
 def test_the_form_is_forced_by_env_refused_when_unknown_and_keeps_the_weights(monkeypatch):
@@ -49,6 +52,10 @@ def test_the_form_is_forced_by_env_refused_when_unknown_and_keeps_the_weights(mo
     assert linears and all(type(m) is FewRowLinear for m in linears)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert use_few_row_linear(model, form="transposed") == "transposed"  # again: nothing changes
+    monkeypatch.setenv(ENV, "paired")
+    assert use_few_row_linear(model) == "paired"
+    assert all(type(m) is PairedRowLinear for m in linears)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert use_few_row_linear(model, form="standard") == "standard"  # and back
     assert all(type(m) is nn.Linear for m in linears)
     monkeypatch.setenv(ENV, "fastest")
@@ -61,30 +68,68 @@ def test_the_choice_is_measured_once_per_machine_and_a_damaged_record_measured_a
 
     def probe(weights, reps=5):
         calls.append([tuple(w.shape) for w in weights])
-        return True, {"standard": 2.0, "transposed": 1.0}
+        return "paired", {"standard": 2.0, "transposed": 1.0, "standard_one_row": 2.0, "paired_one_row": 1.0}
 
-    monkeypatch.setattr(few_row_linear, "transposed_is_faster", probe)
+    monkeypatch.setattr(few_row_linear, "fastest_form", probe)
     linears = [m for m in tiny_model("llama").modules() if type(m) is nn.Linear]
-    assert cached_choice(linears, tmp_path) is True
-    assert cached_choice(linears, tmp_path) is True
+    assert cached_choice(linears, tmp_path) == "paired"
+    assert cached_choice(linears, tmp_path) == "paired"
     assert len(calls) == 1
     record = next((tmp_path / "linear_form").glob("*.json"))
-    assert json.loads(record.read_text())["transposed"] is True
+    assert json.loads(record.read_text())["form"] == "paired"
     assert max(calls[0]) == max(tuple(m.weight.shape) for m in linears)  # the largest layer is timed
     record.write_text("{not json")
-    assert cached_choice(linears, tmp_path) is True and len(calls) == 2
+    assert cached_choice(linears, tmp_path) == "paired" and len(calls) == 2
+    stored = json.loads(record.read_text())
+    record.write_text(json.dumps({"key": stored["key"], "transposed": True}))  # a record without a form
+    assert cached_choice(linears, tmp_path) == "paired" and len(calls) == 3
 
 
-def test_the_probe_measures_both_forms():
-    faster, times = few_row_linear.transposed_is_faster([torch.randn(64, 32)], reps=3)
-    assert isinstance(faster, bool) and times["standard"] > 0 and times["transposed"] > 0
+@pytest.mark.parametrize("ms, form", [
+    ({"standard": 10.0, "transposed": 9.5, "standard_one_row": 10.0, "paired_one_row": 1.0}, "standard"),
+    ({"standard": 10.0, "transposed": 8.0, "standard_one_row": 10.0, "paired_one_row": 9.5}, "transposed"),
+    ({"standard": 10.0, "transposed": 8.0, "standard_one_row": 10.0, "paired_one_row": 8.0}, "paired"),
+])
+def test_the_probe_picks_a_form_only_where_it_is_ten_percent_faster(monkeypatch, ms, form):
+    """Each probe call runs its layer; a stand-in for ``median_ms`` returns fixed times by the
+    layer's class and row count (the two probe row counts share a form's time)."""
+    calls = {"standard": 0, "transposed": 0, "standard_one_row": 0, "paired_one_row": 0}
+    current = {}
+
+    def median(fn, reps):
+        current.clear()
+        fn()
+        name = {nn.Linear: "standard", FewRowLinear: "transposed", PairedRowLinear: "paired"}[current["cls"]]
+        key = name if current["rows"] > 1 else f"{name}_one_row"
+        calls[key] += 1
+        return ms[key] / (len(few_row_linear.PROBE_ROWS) if current["rows"] > 1 else 1)
+
+    for cls in LAYERS.values():
+        original = cls.forward
+
+        def forward(self, x, original=original):
+            current.update(cls=type(self), rows=x.numel() // x.shape[-1])
+            return original(self, x)
+
+        monkeypatch.setattr(cls, "forward", forward)
+    monkeypatch.setattr(few_row_linear, "median_ms", median)
+    chosen, got = few_row_linear.fastest_form([torch.randn(64, 32)], reps=1)
+    assert chosen == form
+    assert calls == {"standard": 2, "transposed": 2, "standard_one_row": 1, "paired_one_row": 1}
+    assert got == pytest.approx(ms)
 
 
-@pytest.fixture
-def transposed_target(tokenizer, monkeypatch):
-    monkeypatch.setenv(ENV, "transposed")
+def test_the_probe_measures_every_form():
+    form, times = few_row_linear.fastest_form([torch.randn(64, 32)], reps=3)
+    assert form in LAYERS and set(times) == {"standard", "transposed", "standard_one_row", "paired_one_row"}
+    assert all(t > 0 for t in times.values())
+
+
+@pytest.fixture(params=["transposed", "paired"])
+def transposed_target(tokenizer, monkeypatch, request):
+    monkeypatch.setenv(ENV, request.param)
     target = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
-    assert target.linear_form == "transposed"
+    assert target.linear_form == request.param
     return target
 
 

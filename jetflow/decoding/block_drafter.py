@@ -56,7 +56,7 @@ class BlockDrafter:
         self.lm_weight = head.output_weight(target.lm_head_weight())
         self.int8 = int8
         # Where the target's few-row products run as W @ x^T (this CPU's BLAS is faster so), so do the head's.
-        self.few_rows = not int8 and getattr(target, "linear_form", "standard") == "transposed"
+        self.few_rows = not int8 and getattr(target, "linear_form", "standard") != "standard"
         if self.few_rows:
             use_few_row_linear(self.head, form="transposed")
         self.run_head, self.lm_head = self.head, None
