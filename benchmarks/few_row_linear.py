@@ -1,5 +1,6 @@
-"""x @ W^T against W @ x^T on this CPU: each linear shape of the target at a few row counts, then a
-whole tree verify of the target in both forms (two copies of the model, measured alternately).
+"""x @ W^T against W @ x^T on this CPU: each linear shape of the target at a few row counts (one row
+also as two, the "paired" form), then a whole tree verify of the target in each form of
+models/few_row_linear.py (one copy of the model per form, measured alternately).
 
     python benchmarks/few_row_linear.py --out docs/results/few_row_linear/probe.json
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from jetflow.eval.machine import machine
-from jetflow.models.few_row_linear import ENV, transposed_linear
+from jetflow.models.few_row_linear import ENV, LAYERS, few_row_linear, transposed_linear
 from jetflow.utils.fs import write_json_atomic
 from jetflow.utils.timing import median_ms
 
@@ -40,7 +41,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    targets = {form: load(form, args.target) for form in ("standard", "transposed")}
+    targets = {form: load(form, args.target) for form in LAYERS}
     model = targets["standard"].model
 
     shapes = {}
@@ -48,17 +49,21 @@ def main() -> int:
         if isinstance(m, torch.nn.Linear):
             shapes.setdefault(tuple(m.weight.shape), (name.split(".")[-1], m.weight))
     kernels = []
+    print("ms per product, x @ W^T / W @ x^T (one row: / as two)")
     print(f"{'layer':12s} {'shape':>12s} " + " ".join(f"{'rows ' + str(r):>18s}" for r in ROWS))
     for shape, (name, w) in shapes.items():
-        row = {"layer": name, "shape": list(shape), "standard_ms": {}, "transposed_ms": {}}
+        row = {"layer": name, "shape": list(shape), "standard_ms": {}, "transposed_ms": {}, "paired_ms": {}}
         for rows in ROWS:
             x = torch.randn(rows, shape[1], dtype=w.dtype)
             reps = max(3, args.reps if w.numel() < 10**7 else args.reps // 2)
             row["standard_ms"][rows] = median_ms(lambda: F.linear(x, w), reps)
             row["transposed_ms"][rows] = median_ms(lambda: transposed_linear(x, w, None), reps)
+            if rows == 1:
+                row["paired_ms"][rows] = median_ms(lambda: few_row_linear(x, w, True, paired=True), reps)
         kernels.append(row)
         print(f"{name:12s} {str(shape):>12s} " + " ".join(
-            f"{row['standard_ms'][r]:8.2f}/{row['transposed_ms'][r]:<8.2f}ms" for r in ROWS))
+            f"{row['standard_ms'][r]:6.2f}/{row['transposed_ms'][r]:.2f}" + (f"/{row['paired_ms'][r]:.2f}" if r == 1 else "")
+            for r in ROWS))
 
     prefix = list(range(1000, 1000 + args.context))
     verify = {form: {} for form in targets}
@@ -68,19 +73,17 @@ def main() -> int:
         for form, target in targets.items():
             target.prefill(prefix)
             target.verify(tokens, parents)  # warm
-        for _ in range(args.reps):  # alternate the forms, so drift falls on both
+        for _ in range(args.reps):  # alternate the forms, so drift falls on all
             for form, target in targets.items():
                 start = time.perf_counter()
                 target.verify(tokens, parents)
                 samples[form].append(1e3 * (time.perf_counter() - start))
         for form in targets:
             verify[form][n] = statistics.median(samples[form])
-    c1 = {form: verify[form][1] for form in targets}
-    print("verify of n rows, ms (ratio to one row):")
+    c1 = verify["standard"][1]
+    print("verify of n rows, ms (ratio to one row of x @ W^T):")
     for n in VERIFY:
-        s, t = verify["standard"][n], verify["transposed"][n]
-        print(f"  n={n:4d}  standard {s:8.1f} ({s / c1['standard']:.2f})   transposed {t:8.1f} "
-              f"({t / c1['transposed']:.2f})   {t / s:.2f}x the time")
+        print(f"  n={n:4d}  " + "   ".join(f"{form} {verify[form][n]:7.1f} ({verify[form][n] / c1:.2f})" for form in targets))
     if args.out:
         write_json_atomic(args.out, {"machine": machine(), "threads": torch.get_num_threads(),
                                      "context": args.context, "kernels": kernels, "verify_ms": verify})

@@ -181,3 +181,27 @@ def test_a_head_drafts_with_few_row_products_where_its_target_does_and_int8_stil
     plain = float_drafter.head_logprobs(prefix[-1], len(prefix))
     assert few.shape == plain.shape and few.shape[0] == 7
     torch.testing.assert_close(few, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_after_a_few_row_layer_hands_blas_its_rows_in_the_fast_layout(monkeypatch):
+    """A few-row layer's output is a transposed view; the next layer (an MLP's down projection,
+    after elementwise ops that keep that layout) must still pass x^T to BLAS as the transpose of a
+    row-major x (strides (1, k)), the layout MKL multiplies fast."""
+    torch.manual_seed(0)
+    up, down = FewRowLinear(48, 80, bias=False), FewRowLinear(80, 48, bias=False)
+    seen = []
+    real_mm = torch.mm
+
+    def mm(a, b):
+        seen.append(b.stride())
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    x = torch.randn(1, 3, 48)
+    hidden = torch.nn.functional.silu(up(x)) * up(x)
+    assert hidden.stride()[-1] != 1  # the layout the fix is for
+    out = down(hidden)
+    assert seen[-1] == (1, 80)
+    monkeypatch.setattr(torch, "mm", real_mm)
+    want = torch.nn.functional.linear(torch.nn.functional.silu(x @ up.weight.T) * (x @ up.weight.T), down.weight)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
