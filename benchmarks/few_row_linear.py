@@ -1,6 +1,8 @@
 """x @ W^T against W @ x^T on this CPU: each linear shape of the target at a few row counts (one row
 also as two, the "paired" form), then a whole tree verify of the target in each form of
-models/few_row_linear.py (one copy of the model per form, measured alternately).
+models/few_row_linear.py (one copy of the model per form, measured alternately). The shapes alone
+run from the cache; "streamed" runs all of the model's products in a row, its weights coming from
+memory as in a forward.
 
     python benchmarks/few_row_linear.py --out docs/results/few_row_linear/probe.json
 """
@@ -65,6 +67,19 @@ def main() -> int:
             f"{row['standard_ms'][r]:6.2f}/{row['transposed_ms'][r]:.2f}" + (f"/{row['paired_ms'][r]:.2f}" if r == 1 else "")
             for r in ROWS))
 
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    products = {"x @ W^T": lambda x, w: F.linear(x, w), "W @ x^T": lambda x, w: transposed_linear(x, w, None),
+                "one row as two": lambda x, w: few_row_linear(x, w, True, paired=True)}
+    inputs = {rows: {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights} for rows in (1, 2, 4)}
+    streamed = {}
+    for name, product in products.items():
+        for rows in ((1,) if name == "one row as two" else (1, 2, 4)):
+            streamed[f"{name}, {rows} row(s)"] = median_ms(
+                lambda: [product(inputs[rows][w.shape[1]], w) for w in weights], args.reps)
+    print(f"streamed: all {len(weights)} products of the model, ms (median of {args.reps})")
+    for name, ms in streamed.items():
+        print(f"  {name:24s} {ms:7.1f}")
+
     prefix = list(range(1000, 1000 + args.context))
     verify = {form: {} for form in targets}
     for n in VERIFY:
@@ -86,7 +101,8 @@ def main() -> int:
         print(f"  n={n:4d}  " + "   ".join(f"{form} {verify[form][n]:7.1f} ({verify[form][n] / c1:.2f})" for form in targets))
     if args.out:
         write_json_atomic(args.out, {"machine": machine(), "threads": torch.get_num_threads(),
-                                     "context": args.context, "kernels": kernels, "verify_ms": verify})
+                                     "context": args.context, "kernels": kernels, "streamed_ms": streamed,
+                                     "verify_ms": verify})
     return 0
 
 
