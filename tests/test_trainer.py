@@ -328,8 +328,11 @@ def test_packing_changes_no_training_step(target, data, tmp_path):
         for _ in range(2):
             trainer.train_step()
         heads.append(trainer.head.state_dict())
+    # Adam divides by sqrt(v), so where a gradient is tiny, last-bit differences between the two
+    # groupings become a visible share of a step (seen: 1.3e-5 on one of 8,192 weights, AVX-512
+    # EPYC); wrong masks or positions in a pack would move weights by whole steps (lr 3e-3 / warmup).
     for name, value in heads[0].items():
-        torch.testing.assert_close(heads[1][name], value, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(heads[1][name], value, atol=5e-5, rtol=1e-4, msg=name)
     assert len(Trainer(target, seqs, tmp_path / "d", config()).packs(list(range(3)))) == 3  # CPU: one each
     with pytest.raises(JetFlowError, match="pack_sequences"):
         config(pack_sequences=-1)
