@@ -6,7 +6,7 @@ benchmarks/load_server.py windows against it, stop it (SIGTERM), and collect the
 
 A config is BACKEND-MODE[@FORM]: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
 (--max-batch 1, one request at a time); FORM sets the torch server's JETFLOW_CPU_LINEAR
-(auto|transposed|standard: how its CPU linear layers multiply a few rows), e.g.
+(auto|paired|transposed|standard: how its CPU linear layers multiply a few rows), e.g.
 ``torch-batch@standard``; ``CONFIG:CLIENTS`` restricts its client counts, joined with '+', e.g.
 ``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
 and --budget auto. Resumable: windows already in --out are not run again.
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from jetflow.models.few_row_linear import FORMS
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,8 +49,8 @@ def run_config(name: str, clients: str, args) -> dict:
     backend, _, mode = base.partition("-")
     if backend not in ("torch", "llamacpp") or mode not in ("batch", "serial"):
         raise SystemExit(f"config {name!r}: expected BACKEND-MODE with BACKEND torch|llamacpp and MODE batch|serial")
-    if form and (backend != "torch" or form not in ("auto", "transposed", "standard")):
-        raise SystemExit(f"config {name!r}: @FORM is auto|transposed|standard, for the torch backend")
+    if form and (backend != "torch" or form not in FORMS):
+        raise SystemExit(f"config {name!r}: @FORM is {'|'.join(FORMS)}, for the torch backend")
     env = dict(os.environ, **({"JETFLOW_CPU_LINEAR": form} if form else {}))
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
