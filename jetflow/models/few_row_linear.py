@@ -8,8 +8,8 @@ rows as for 1 and runs at 5-15 GFLOP/s up to 17 rows, while the same numbers as 
 (training, long prefill chunks) are left alone: there the two are level or the plain product wins.
 
 One row (a plain decoding step) is a matrix-vector product, and some CPUs run that on one core:
-on an AMD EPYC with AVX-512 the whole model's products take 43 ms for one row and 23 ms for two
-as W @ x^T. There the "paired" form computes one row as two (the row and a copy) and keeps the
+on an AMD EPYC with AVX-512 all of SmolLM2's products took 44.8 ms for one row and 19.3 ms for
+the row as two (``python benchmarks/few_row_linear.py``, "streamed"). There the "paired" form computes one row as two (the row and a copy) and keeps the
 first; elsewhere one row is left alone.
 
 The forms differ only in the order BLAS sums the products, so rows come out equal up to float
@@ -63,8 +63,8 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     ``x`` is made contiguous first: the previous layer's output is such a transposed view, and
     elementwise ops keep its layout, so an MLP's down projection would get x^T in row-major order,
-    which MKL multiplies 2-5x slower (seen: 15.3 ms against 3.3 per 2-row verify on an AVX-512
-    EPYC). The copy is a few rows."""
+    which MKL multiplies several times slower (on an AVX-512 EPYC a 2-token verify took 46.6 ms
+    without this copy and 32.1 ms with it). The copy is a few rows."""
     y = torch.mm(weight, x.contiguous().t()).t()
     return y if bias is None else y + bias
 
@@ -74,13 +74,14 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, pair
     :class:`PairedRowLinear`) computes it when ``transposed``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not transposed or x.device.type != "cpu" or not (2 if not paired else 1) <= rows <= MAX_ROWS:
+    if not transposed or x.device.type != "cpu" or not (1 if paired else 2) <= rows <= MAX_ROWS:
         return F.linear(x, weight)
     flat = x.reshape(rows, k)
-    if rows == 1:
-        # A copy, not an expanded view: BLAS takes a stride-0 operand down a slow path.
-        return transposed_linear(torch.cat([flat, flat]), weight, None)[:1].reshape(*x.shape[:-1], weight.shape[0])
-    return transposed_linear(flat, weight, None).reshape(*x.shape[:-1], weight.shape[0])
+    if rows == 1:  # a copy, not an expanded view: BLAS takes a stride-0 operand down a slow path
+        y = transposed_linear(torch.cat([flat, flat]), weight, None)[:1]
+    else:
+        y = transposed_linear(flat, weight, None)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def requested_form() -> str:
