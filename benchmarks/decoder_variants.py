@@ -8,8 +8,10 @@ every output must equal `ar`'s.
     python benchmarks/decoder_variants.py --variants 1@7,tree@24,tree@7 --datasets gsm8k,mtbench \
         --limit 10 --budgets auto --out docs/results/decoder_variants/auto.json
 
-A variant is REFINE@WIDTH: REFINE as `jetflow bench --refine` (N path passes, or tree / tree:N),
-WIDTH the top-w tokens per depth (`--width`). `1@7` is the default decoder.
+A variant is REFINE@WIDTH[:WEIGHTS]: REFINE as `jetflow bench --refine` (N path passes, or tree /
+tree:N), WIDTH the top-w tokens per depth (`--width`), WEIGHTS the head's weights in its forward,
+`float` or `int8` (`--draft-weights`; left out: the decoder's default for the target). `1@7` is
+the default decoder.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ class VariantRunner:
         return self.runners[variant or next(iter(self.runners))].run(METHODS[name], request, **kw)
 
 
-def parse_variant(text: str) -> tuple[int | str, int]:
-    refine, sep, width = text.partition("@")
-    if not sep or not width.isdigit() or int(width) < 1:
-        raise SystemExit(f"variant {text!r}: expected REFINE@WIDTH, e.g. 1@7 or tree@24")
-    return _refine_mode(refine), int(width)
+def parse_variant(text: str) -> tuple[int | str, int, bool | None]:
+    refine, sep, rest = text.partition("@")
+    width, _, weights = rest.partition(":")
+    if not sep or not width.isdigit() or int(width) < 1 or weights not in ("", "float", "int8"):
+        raise SystemExit(f"variant {text!r}: expected REFINE@WIDTH[:float|:int8], e.g. 1@7, tree@24 or 1@7:int8")
+    return _refine_mode(refine), int(width), {"": None, "float": False, "int8": True}[weights]
 
 
 def main() -> int:
@@ -61,9 +64,9 @@ def main() -> int:
     budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
     target = load_target(args.target, backend="torch")
     runners = {}
-    for variant, (refine, width) in modes.items():
+    for variant, (refine, width, int8) in modes.items():
         head = load_drafter(shipped_drafter(target.name), target=target, device=target.device)  # one copy each
-        runners[variant] = MethodRunner(target, {"causal": head}, width=width, refine=refine)
+        runners[variant] = MethodRunner(target, {"causal": head}, width=width, refine=refine, int8_draft=int8)
     runs = [(METHODS["ar"], None)]
     runs += [(dataclasses.replace(METHODS["jetflow-lookup"], name=f"jetflow-lookup/{v}"), b)
              for b in budgets for v in variants]

@@ -4,10 +4,11 @@ benchmarks/load_server.py windows against it, stop it (SIGTERM), and collect the
     python benchmarks/serve_matrix.py --configs llamacpp-batch,torch-batch,torch-serial \
         --clients 1,8,32 --seconds 120 --out docs/results/server_matrix.json
 
-A config is BACKEND-MODE[@FORM]: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or serial
-(--max-batch 1, one request at a time); FORM sets the torch server's JETFLOW_CPU_LINEAR
+A config is BACKEND-MODE[@FORM][/WEIGHTS]: BACKEND torch|llamacpp, MODE batch (--max-batch 32) or
+serial (--max-batch 1, one request at a time); FORM sets the torch server's JETFLOW_CPU_LINEAR
 (auto|paired|transposed|standard: how its CPU linear layers multiply a few rows), e.g.
-``torch-batch@standard``; ``CONFIG:CLIENTS`` restricts its client counts, joined with '+', e.g.
+``torch-batch@standard``; WEIGHTS is the server's --draft-weights (auto|float|int8), e.g.
+``torch-batch@paired/float``; ``CONFIG:CLIENTS`` restricts its client counts, joined with '+', e.g.
 ``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
 and --budget auto. Resumable: windows already in --out are not run again.
 """
@@ -45,8 +46,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def run_config(name: str, clients: str, args) -> dict:
-    base, _, form = name.partition("@")
+    spec, _, weights = name.partition("/")
+    base, _, form = spec.partition("@")
     backend, _, mode = base.partition("-")
+    if weights not in ("", "auto", "float", "int8"):
+        raise SystemExit(f"config {name!r}: /WEIGHTS is auto|float|int8")
     if backend not in ("torch", "llamacpp") or mode not in ("batch", "serial"):
         raise SystemExit(f"config {name!r}: expected BACKEND-MODE with BACKEND torch|llamacpp and MODE batch|serial")
     if form and (backend != "torch" or form not in FORMS):
@@ -54,12 +58,13 @@ def run_config(name: str, clients: str, args) -> dict:
     env = dict(os.environ, **({"JETFLOW_CPU_LINEAR": form} if form else {}))
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
-           "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64", *args.server_args.split()]
+           "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64",
+           *(["--draft-weights", weights] if weights else []), *args.server_args.split()]
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_ready(url, server)
-        out = Path(args.tmp) / f"{name}.json"
+        out = Path(args.tmp) / f"{name.replace('/', '-')}.json"
         subprocess.run([sys.executable, str(HERE / "load_server.py"), "--url", url, "--clients", clients,
                         "--seconds", str(args.seconds), "--max-tokens", str(args.max_tokens), "--out", str(out)],
                        check=True)

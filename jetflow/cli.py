@@ -76,7 +76,17 @@ def _load_jetflow(args):
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
                                    n_threads=args.threads, budget=args.budget, width=args.width,
-                                   lookup=not args.no_lookup)
+                                   lookup=not args.no_lookup, int8_draft=_int8_draft(args))
+
+
+def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-weights", choices=["auto", "float", "int8"], default="auto",
+                   help="the draft head's weights in its forward: int8 (dynamically quantized; the draft only, "
+                        "never what is accepted) or float; auto (default): int8 on the CPU, float on a GPU")
+
+
+def _int8_draft(args) -> bool | None:
+    return {"auto": None, "float": False, "int8": True}[args.draft_weights]
 
 
 def _comparison(spec, ar, drafter) -> str:
@@ -369,7 +379,7 @@ def cmd_bench(args) -> int:
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
                                     cost_model=not args.no_cost_model, interleave=args.order == "interleaved",
-                                    refine=args.refine)
+                                    refine=args.refine, int8_draft=_int8_draft(args))
     print(json.dumps(summary))
     return 1 if mismatches else 0
 
@@ -468,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
+    _add_draft_weights_arg(g)
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--compare", action="store_true",
@@ -681,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "path-conditioned passes per round, each on the path the one before chose, or 'tree': one "
                         "pass conditioning every node of the first pass's tree ('tree:N': N, each over the tree "
                         "the one before built; default 1)")
+    _add_draft_weights_arg(b)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)
@@ -701,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--width", type=_positive_int, default=7)
     v.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
+    _add_draft_weights_arg(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_non_negative_int, default=8000)
     v.add_argument("--max-batch", type=_positive_int, default=32,

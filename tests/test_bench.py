@@ -278,6 +278,10 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     assert main(args) == 0
     run = json.loads((tmp_path / "b" / "runs" / "mine__ar.json").read_text())
     assert run["summary"]["prompts"] == 1 and "by_category" not in run["summary"]
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["settings"]["extra"]["draft_weights"] == "int8"  # the CPU default, recorded
+    assert main(args + ["--draft-weights", "float", "--out", str(tmp_path / "f")]) == 0
+    assert json.loads((tmp_path / "f" / "summary.json").read_text())["settings"]["extra"]["draft_weights"] == "float"
 
 
 def test_text_compared_methods_ignore_how_the_text_was_split():

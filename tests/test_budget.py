@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,38 @@ def test_a_disturbed_cost_curve_is_measured_again_and_merged(tiny_dir, monkeypat
     stored["costs"] = {k: v for k, v in busy.items()}  # as written before the check existed
     path.write_text(json.dumps(stored))
     assert costs_mod.cached_costs(target, drafter, tmp_path, attempts=1)["c1_ms"] == 12.0  # measured again
+
+
+def test_a_cost_curve_cached_by_other_code_is_measured_again(tiny_dir, monkeypatch, tmp_path):
+    """A change to the code that runs verifies or drafts (a kernel, the draft path) makes a cached
+    curve stale: the key holds a digest of that code, which follows every module named in it."""
+    runs = []
+    monkeypatch.setattr(costs_mod, "measure_costs",
+                        lambda *a, **k: runs.append(1) or {"c1_ms": 10.0, "c1_after_ms": 10.0, "verify_ms": {1: 18.0},
+                                                           "verify_ratio": {1: 1.8}, "draft_ms": {1: 5.0}})
+    target = TargetModel.load(str(tiny_dir))
+    drafter = make_drafter(DraftHead(DraftHeadConfig.for_target(target, block_size=6)), target)
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    assert len(runs) == 1  # read back
+    monkeypatch.setattr(costs_mod, "cost_code_digest", lambda: "another-version")
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    assert len(runs) == 2 and len(list(tmp_path.glob("costs-*.json"))) == 2
+
+    package = Path(costs_mod.__file__).resolve().parents[1]
+    assert all((package / name).is_file() for name in costs_mod.COST_CODE)  # no module renamed away
+    copy = tmp_path / "pkg"
+    for name in costs_mod.COST_CODE:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_bytes((package / name).read_bytes())
+    monkeypatch.undo()
+    real = costs_mod.cost_code_digest()
+    for name in costs_mod.COST_CODE:  # each module's source is in the digest
+        original = (copy / name).read_bytes()
+        (copy / name).write_bytes(original + b"\n")
+        assert costs_mod.cost_code_digest(copy) != real
+        (copy / name).write_bytes(original)
+    assert costs_mod.cost_code_digest(copy) == real
 
 
 def test_a_plain_step_is_timed_first_and_whenever_none_was_for_a_while():

@@ -64,6 +64,24 @@ def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_dr
     assert len(out["accept_lengths"]) == out["rounds"]
 
 
+@pytest.mark.parametrize("weights,int8", [("auto", True), ("float", False), ("int8", True)])
+def test_draft_weights_int8_on_the_cpu_unless_asked_for_float(tiny_dir, tiny_drafter, weights, int8, capsys, monkeypatch):
+    """The CPU default drafts with int8 weights; --draft-weights float keeps the float head. Either
+    way the output is the target's own."""
+    from jetflow.cli import build_parser
+    from jetflow.pipeline import JetFlow
+
+    built = []
+    real = JetFlow.__init__
+    monkeypatch.setattr(JetFlow, "__init__", lambda self, *a, **k: built.append(self) or real(self, *a, **k))
+    assert main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+                 "--max-new-tokens", "12", "--budget", "8", "--draft-weights", weights, "--check-lossless"]) == 0
+    assert json.loads(capsys.readouterr().out)["lossless"] is True
+    assert built[0].int8_draft is int8 and built[0].drafter.int8 is int8
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--draft-weights", "int4"])
+
+
 def test_generate_with_auto_budget(tiny_dir, tiny_drafter, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
     rc = main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",

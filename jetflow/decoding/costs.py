@@ -142,10 +142,29 @@ class CostCurve:
 
 COST_BUDGETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
+# The modules whose code decides what a verify or a draft costs. A cached curve is keyed by their
+# source: a change to a kernel or to the draft path measures it again (seen: a layout fix made a
+# 2-token verify 1.5x cheaper, and a curve cached before it kept `auto` from drafting).
+COST_CODE = ("models/few_row_linear.py", "models/int8.py", "models/target.py", "models/layers.py",
+             "models/gqa_attention.py", "models/draft_head.py", "models/eagle_head.py", "models/kv_cache.py",
+             "models/llamacpp_target.py", "models/llamacpp_draft.py", "models/llamacpp_batch.py",
+             "decoding/block_drafter.py", "decoding/refine.py", "decoding/eagle_drafter.py",
+             "decoding/mixed_drafter.py", "decoding/lookup_drafter.py", "tree/build.py", "tree/mask.py")
+
+
+def cost_code_digest(package: Path | None = None) -> str:
+    """A digest of the source of the modules in ``COST_CODE`` (of this package, or of ``package``)."""
+    root, h = Path(__file__).resolve().parents[1] if package is None else package, hashlib.sha1()
+    for name in COST_CODE:
+        h.update(name.encode())
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:16]
+
 
 def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path, budgets=COST_BUDGETS,
                  context: int = 256, reps: int = 5, width: int = 7, attempts: int = 3, log=None) -> dict:
-    """:func:`measure_costs` once per machine, model, dtype, thread count and head shape; later
+    """:func:`measure_costs` once per machine, model, dtype, thread count, head shape and version of
+    the code that runs them (:func:`cost_code_digest`); later
     calls read ``cache_dir/<key>.json`` (a damaged file is measured again). A measurement that
     looks disturbed (:func:`disturbance`) is repeated, up to ``attempts`` in all, and the attempts
     merged point by point (:func:`least_costs`); a file written before that check existed is
@@ -159,7 +178,7 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
            "block_size": c.block_size, "draft_vocab": c.draft_vocab_size if c.reduced_vocab else None,
            "budgets": list(budgets), "context": context, "backend": target.backend,
            "backend_threads": getattr(target, "n_threads", None), "int8": getattr(drafter, "int8", False),
-           "attention": c.attention}
+           "attention": c.attention, "code": cost_code_digest()}
     if getattr(target, "linear_form", "standard") != "standard":  # verifies priced as they now run
         key["linear_form"] = target.linear_form
     if target.backend == "llamacpp":  # c1 timed with features on, as the loop's plain rounds run

@@ -26,7 +26,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
               budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
               repeats: int = 1, cost_model: bool = True, interleave: bool = True,
-              refine: int | str = 1) -> tuple[dict, int]:
+              refine: int | str = 1, int8_draft: bool | None = None) -> tuple[dict, int]:
     """Run ``methods`` on ``datasets`` at ``budgets`` into ``out`` (runs already there are reused).
     ``drafters``: checkpoint per head kind ("causal" may be "auto": the shipped one); only the kinds
     some method needs are loaded. ``interleave``: time a dataset's runs prompt by prompt (see
@@ -47,7 +47,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
         if not Path(path).is_dir():
             raise JetFlowError(f"drafter checkpoint directory not found: {path}")
         heads[kind] = load_drafter(path, target=target, device=target.device)
-    runner = MethodRunner(target, heads, width=width, native_drafter=native, refine=refine)
+    runner = MethodRunner(target, heads, width=width, native_drafter=native, refine=refine, int8_draft=int8_draft)
     for spec in methods:
         runner.check(spec)
     used = {k: str(v) for k, v in paths.items() if k in heads} | ({"native": str(native)} if native else {})
@@ -55,6 +55,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
                              width=width, repeats=repeats,
                              extra=({"refine": refine} if refine != 1 else {})
+                             | ({"draft_weights": runner.draft_weights()} if heads else {})
                              | ({"linear_form": target.linear_form}  # verifies timed with few-row products
                                 if getattr(target, "linear_form", "standard") != "standard" else {}))
     out = Path(out)

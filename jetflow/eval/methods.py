@@ -99,8 +99,9 @@ class MethodRunner:
     is missing, has the wrong attention, or needs another backend is refused up front."""
 
     def __init__(self, target: TargetBackend, heads: dict[str, DraftHead], width: int = 7,
-                 native_drafter: str | Path | None = None, refine: int | str = 1):
-        self.target, self.width, self.heads = target, width, heads
+                 native_drafter: str | Path | None = None, refine: int | str = 1, int8_draft: bool | None = None):
+        """``int8_draft``: the heads' weights as int8 (None: the decoder's default for the target)."""
+        self.target, self.width, self.heads, self.int8_draft = target, width, heads, int8_draft
         self.refine = refine  # the second pass of jetflow-refine: passes, or "tree"
         self.native_drafter = native_drafter  # checkpoint dir llama-dflash exports and runs
         self._native_gguf = None
@@ -111,12 +112,16 @@ class MethodRunner:
                 raise JetFlowError(f"the {kind} methods need a {kind} head; the given one ({HEAD_FLAGS[kind]}) "
                                    f"is {have}")
             self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype),
-                                                  lookup=False, refine=False)
+                                                  lookup=False, refine=False, int8_draft=int8_draft)
         self._mixed = {}  # head kind -> its decoder with prompt lookup merged in (jetflow-lookup, eagle3-lookup)
         self._lookup = None
         self._refined = None  # the causal head with its path-conditioned pass (jetflow-refine)
         self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
         self._torch = None  # (torch twin target, its causal-head decoder or None)
+
+    def draft_weights(self) -> str:
+        """"int8" where a block head drafts with int8 weights, else "float" (EAGLE heads always do)."""
+        return "int8" if any(getattr(d.drafter, "int8", False) for d in self.decoders.values()) else "float"
 
     def check(self, spec: MethodSpec) -> None:
         if spec.head is not None and spec.head not in self.decoders:
@@ -160,13 +165,13 @@ class MethodRunner:
         elif spec.name in ("jetflow-lookup", "eagle3-lookup"):
             if spec.head not in self._mixed:  # as the default decoder: with the head's second pass if it has one
                 head = self.decoders[spec.head].drafter.head
-                self._mixed[spec.head] = jetflow.JetFlow(self.target, head, lookup=True,
+                self._mixed[spec.head] = jetflow.JetFlow(self.target, head, lookup=True, int8_draft=self.int8_draft,
                                                          refine=self.refine if head.config.path_refine else 0)
             decoder = self._mixed[spec.head]
         elif spec.name == "jetflow-refine":
             if self._refined is None:
                 self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
-                                                refine=self.refine)
+                                                refine=self.refine, int8_draft=self.int8_draft)
             decoder = self._refined
         else:
             decoder = self.decoders[spec.head]
@@ -188,8 +193,8 @@ class MethodRunner:
                 spec = self.target.name if is_known_model(self.target.name) else str(self.target.gguf)
                 twin = TargetModel.load(spec)
                 head = self.heads.get("causal")
-                self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype), lookup=False)
-                               if head else None)
+                self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype), lookup=False,
+                                                     int8_draft=self.int8_draft) if head else None)
         return self._torch
 
     def _llama_generate(self, prompt, request: dict) -> GenerationResult:
