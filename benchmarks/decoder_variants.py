@@ -3,7 +3,7 @@ prompt lookup merged in (`jetflow-lookup`), under several second-pass modes and 
 with its own copy of the head, all on one target; every prompt goes through `ar` and every variant
 in rotating order, so a drift in the machine's speed falls on all alike. Speed-ups are against
 `ar`, with 95% intervals from a paired bootstrap over prompts, and each variant against the first;
-every output must equal `ar`'s.
+every output must equal `ar`'s; with several budgets, each budget against the first too.
 
     python benchmarks/decoder_variants.py --variants 1@7,tree@24,tree@7 --datasets gsm8k,mtbench \
         --limit 10 --budgets auto --out docs/results/decoder_variants/auto.json
@@ -80,6 +80,12 @@ def main() -> int:
             for v in variants[1:]:
                 c = rows[f"{v}_vs_{variants[0]}@{budget}"] = compare_rows(rows[f"jetflow-lookup/{v}@{budget}"], base)
                 print(f"{dataset:8s} @{budget}: {v} / {variants[0]} {c['ratio']:.2f}x "
+                      f"[{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
+        for v in variants:  # each budget against the first, variant for variant
+            base = rows[f"jetflow-lookup/{v}@{budgets[0]}"]
+            for budget in budgets[1:]:
+                c = rows[f"{v}@{budget}_vs_@{budgets[0]}"] = compare_rows(rows[f"jetflow-lookup/{v}@{budget}"], base)
+                print(f"{dataset:8s} {v}: @{budget} / @{budgets[0]} {c['ratio']:.2f}x "
                       f"[{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
         result["datasets"][dataset] = rows
         write_json_atomic(args.out, result)

@@ -473,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the drafter shipped for the target if there is one, else none")
     g.add_argument("--budget", type=_budget, default=None,
                    help="draft tree nodes per round, root not counted, or 'auto': chosen every round from the "
-                        "machine's cost curve and the acceptance so far (default: 16 on torch, the best fixed budget "
-                        "on a 2-core CPU; auto on llama.cpp, where verifying is dearer)")
+                        "machine's cost curve and the acceptance so far (default: auto on the CPU, where a verify's "
+                        "cost grows with its tokens; 16 on a GPU)")
     g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
     g.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")

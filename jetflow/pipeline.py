@@ -23,12 +23,13 @@ from jetflow.models.loading import load_target
 from jetflow.models.shipped import shipped_drafter
 from jetflow.utils.fs import cache_root
 
-# Best measured budget for the shipped SmolLM2 drafter on a 2-core CPU (budget 16: 1.12x, 64: 0.65x);
-# bigger budgets raise tau but verification cost grows faster there. GPUs afford far more.
+# The default budget on a GPU, where verifying 16 nodes costs about one step.
 DEFAULT_BUDGET = 16
-# On llama.cpp a 2-token verify already costs 1.8 one-token steps on a 2-core CPU (docs/results.md,
-# "llama.cpp backend"): no fixed budget pays there, 'auto' falls back to plain steps when none does.
-DEFAULT_BUDGETS = {"torch": DEFAULT_BUDGET, "llamacpp": "auto"}
+# On the CPU 'auto': there a verify's cost grows with its tokens from the second or third on, so
+# the best tree is small and moves with the text (torch, 2-core EPYC: `auto` 1.36x / 1.66x faster
+# than budget 16 on GSM8K / MT-Bench; llama.cpp: a 2-token verify costs 1.8 steps and no fixed
+# budget pays, while 'auto' falls back to plain steps; docs/results.md).
+DEFAULT_CPU_BUDGET = "auto"
 DEFAULT_WIDTH = 7
 
 
@@ -50,7 +51,7 @@ class JetFlow:
         self.drafter = (make_drafter(head, target, int8=self.int8_draft, lookup=self.lookup, refine=refine)
                         if head is not None else drafter)
         if budget is None:
-            budget = DEFAULT_BUDGETS.get(target.backend, DEFAULT_BUDGET)
+            budget = DEFAULT_CPU_BUDGET if target.device.type == "cpu" else DEFAULT_BUDGET
         self.budget, self.width = _check_tree_args(budget, width)
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
         self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"

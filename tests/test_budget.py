@@ -76,6 +76,23 @@ def test_expected_tokens_brute_force_and_observe():
     assert d2_bin5 == pytest.approx((4 * 0.55, 5)) and ab.overhead_ms == pytest.approx(3.0)
 
 
+def test_a_tree_rounds_overhead_is_not_diluted_by_plain_steps():
+    """Plain steps have almost no time outside their verify; a tree round's acceptance and commit
+    are priced from tree rounds alone, so where most rounds are plain a chain whose gain is less
+    than its own overhead is not taken."""
+    ab = AdaptiveBudget(curve(per_node_ms=0.0, base_ms=10.0, draft_ms=5.0))
+    t = hand_tree()
+    for _ in range(9):
+        ab.observe_plain(10.0)
+    ab.observe(t.prefix(2), [0], other_ms=2.0)
+    assert ab.overhead_ms == pytest.approx(2.0) and ab.plain_overhead_ms == pytest.approx(0.0)
+    assert ab.plain_rate() == pytest.approx(1 / 10.0)
+    # a one-node chain accepted 15% of the time: 1.15 tokens for 10 + 2 ms loses to 1 token in 10 ms
+    # (with one mean over all ten rounds, 0.2 ms, it would have looked like a 13% gain)
+    assert ab.chain_offer(chain_tree([0.15])) is None
+    assert ab.chain_offer(chain_tree([0.25])) is not None  # 1.25 / 12 > 1 / 10
+
+
 def test_choice_follows_the_cost_curve():
     lp = torch.full((15, 30), -10.0)
     lp[:, 0] = math.log(0.97)  # a confident chain plus weak side branches
@@ -318,7 +335,7 @@ def chain_tree(rates):
 @pytest.mark.parametrize("per_node_ms", [0.0, 0.5, 3.0, 20.0])
 def test_chain_offer_is_the_brute_force_argmax_of_tokens_per_ms(per_node_ms):
     ab = AdaptiveBudget(curve(per_node_ms=per_node_ms, base_ms=10.0, draft_ms=8.0))
-    ab.overhead_ms = 1.5
+    ab.overhead_ms = ab.plain_overhead_ms = 1.5
     rates = [0.9, 0.8, 0.95, 0.3, 0.9, 0.9]
     chain = chain_tree(rates)
     offer = ab.chain_offer(chain)

@@ -66,8 +66,9 @@ def test_path_nodes_and_budget_prefixes():
 
 
 def decode_rounds(target, head, seq, budget, width, lookup=False, jf=None):
-    """Accepted lengths of decoding ``seq``'s prompt (with ``jf``, a decoder kept across requests)."""
-    jf = jf or jetflow.JetFlow(target, head, budget=budget, width=width, lookup=lookup)
+    """Accepted lengths of decoding ``seq``'s prompt (with ``jf``, a decoder kept across requests);
+    the head drafts with its float weights, as the replay runs it."""
+    jf = jf or jetflow.JetFlow(target, head, budget=budget, width=width, lookup=lookup, int8_draft=False)
     spec = jf.generate(seq.token_ids[:seq.prompt_len], max_new_tokens=len(seq.token_ids) - seq.prompt_len)
     assert spec.token_ids == seq.token_ids[seq.prompt_len:]  # the data is the target's greedy answer
     return spec.stats["accept_lengths"]
@@ -101,7 +102,7 @@ def test_replayed_passes_equal_decoding_with_as_many(target, sequences, head, bu
                                 refine=3)
     decoded = []
     for seq in sequences:
-        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=False, refine=3)
+        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=False, refine=3, int8_draft=False)
         decoded += [n - 1 for n in decode_rounds(target, head, seq, budget, 7, jf=jf)[:-1]] + [None]
     replayed = result.depths[budget]
     assert len(replayed) == len(decoded) and len(decoded) > 10
@@ -118,7 +119,7 @@ def test_replayed_tree_passes_equal_decoding_with_them(target, sequences, head, 
                                 refine=refine, lookup=lookup)
     decoded = []
     for seq in sequences:
-        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=lookup, refine=refine)
+        jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=lookup, refine=refine, int8_draft=False)
         decoded += [n - 1 for n in decode_rounds(target, head, seq, budget, 7, jf=jf)[:-1]] + [None]
     replayed = result.depths[budget]
     assert len(replayed) == len(decoded) and len(decoded) > 10
@@ -153,7 +154,7 @@ def test_lookup_session_replay_equals_one_decoder_answering_in_order(target, seq
     teacher = OnlineTeacher(target, None)
     result = offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [budget], 7, lookup=True,
                                 lookup_session=True)
-    jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=True)
+    jf = jetflow.JetFlow(target, head, budget=budget, width=7, lookup=True, int8_draft=False)
     decoded = []
     for seq in sequences:
         lengths = decode_rounds(target, head, seq, budget, 7, jf=jf)

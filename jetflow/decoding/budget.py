@@ -11,7 +11,8 @@ at the largest budget therefore prices every smaller budget at once:
 where q_i is the head's own probability of node i's token at its depth and a(d, q) is the measured
 rate at which the target agreed with such a node when its parent was accepted (running counts per
 depth and probability bin, starting from a(d, q) = q). The cost of a round is the machine's
-measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest.
+measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
+(one for rounds that verify nodes, one for plain rounds).
 
 When even the best tree is expected to yield fewer tokens per millisecond than a plain one-token step
 (low acceptance: text far from the drafter's training data, or a machine where verification is
@@ -72,8 +73,12 @@ class AdaptiveBudget:
         # Pseudo-counts: before any evidence a node is accepted as often as the head believes.
         self.hits = [[prior_trials * m for m in mids] for _ in range(max_depth + 1)]
         self.trials = [[prior_trials] * bins for _ in range(max_depth + 1)]
-        self.overhead_ms = 0.0  # running mean of a round's time outside draft and verify
-        self._rounds = 0
+        # Running means of a round's time outside draft and verify (tree build, acceptance, cache
+        # commit), kept apart for rounds that verify nodes and plain ones: where most rounds are
+        # plain steps, which have almost none of it, one mean over all would price a tree's at a
+        # fraction of what it costs (on llama.cpp about 0.2 ms a lookup chain, 2% of a step).
+        self.overhead_ms, self.plain_overhead_ms = 0.0, 0.0
+        self._rounds, self._tree_rounds = 0, 0
         # The cost curve is measured once per machine and cached, but a machine's speed, and the
         # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.62 when
         # cached, 1.35 later the same day). So verify times are measured as rounds run, and the
@@ -144,7 +149,7 @@ class AdaptiveBudget:
 
     def plain_rate(self) -> float:
         """Tokens per ms of a round that verifies the root alone (no draft forward)."""
-        return 1.0 / (self.verify_cost(0) + self.overhead_ms)
+        return 1.0 / (self.verify_cost(0) + self.plain_overhead_ms)
 
     def verify_scales(self) -> tuple[float, float]:
         """The measured-to-cached cost ratios of plain steps and of trees."""
@@ -165,13 +170,17 @@ class AdaptiveBudget:
 
     def observe_plain(self, verify_ms: float) -> None:
         """``observe`` of a plain round (the root alone) whose only timed phase was its verify."""
-        self._observe_overhead(0.0)
+        self._observe_overhead(0.0, tree=False)
         self._since_plain = 0
         self._observe_verify(0, verify_ms)
 
-    def _observe_overhead(self, ms: float) -> None:
+    def _observe_overhead(self, ms: float, tree: bool) -> None:
         self._rounds += 1
-        self.overhead_ms += (ms - self.overhead_ms) / min(self._rounds, 100)
+        if tree:
+            self._tree_rounds += 1
+            self.overhead_ms += (ms - self.overhead_ms) / min(self._tree_rounds, 100)
+        else:
+            self.plain_overhead_ms += (ms - self.plain_overhead_ms) / min(self._rounds - self._tree_rounds, 100)
 
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
@@ -279,7 +288,8 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        cost = [self._draft[n] + self.verify_cost(n) + self.overhead_ms for n in range(top + 1)]
+        cost = [self._draft[n] + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
+                for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))
         rate = expected[best] / cost[best]
@@ -297,7 +307,7 @@ class AdaptiveBudget:
                 self.trials[d][b] += 1
                 self.hits[d][b] += node in accepted
         if other_ms is not None:
-            self._observe_overhead(other_ms)
+            self._observe_overhead(other_ms, tree=len(tree) > 1)
         if verify_ms is not None:
             plain = len(tree) == 1
             self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1
