@@ -65,7 +65,8 @@ def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_dr
 
 
 @pytest.mark.parametrize("weights,int8", [("auto", True), ("float", False), ("int8", True)])
-def test_draft_weights_int8_on_the_cpu_unless_asked_for_float(tiny_dir, tiny_drafter, weights, int8, capsys, monkeypatch):
+def test_draft_weights_int8_on_the_cpu_unless_asked_for_float(tiny_dir, tiny_drafter, weights, int8, capsys,
+                                                              monkeypatch):
     """The CPU default drafts with int8 weights; --draft-weights float keeps the float head. Either
     way the output is the target's own."""
     from jetflow.cli import build_parser
