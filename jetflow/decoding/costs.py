@@ -197,7 +197,7 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
                 return costs
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             pass
-    if log is not None:  # the first `auto` request on a machine waits for this (16-51 s on a 2-core CPU)
+    if log is not None:  # the first `auto` request on a machine waits for this (under a minute on a 2-core CPU)
         log(f"measuring this machine's verify and draft costs for budget 'auto' (once; cached in {path})")
     runs = []
     while True:
