@@ -23,7 +23,7 @@ from jetflow.models.loading import load_target
 from jetflow.models.shipped import shipped_drafter
 from jetflow.utils.fs import cache_root
 
-# The default budget on a GPU, where verifying 16 nodes costs about one step.
+# The default budget on a GPU (not re-measured against 'auto' there).
 DEFAULT_BUDGET = 16
 # On the CPU 'auto': there a verify's cost grows with its tokens from the second or third on, so
 # the best tree is small and moves with the text (torch, 2-core EPYC: `auto` 1.36x / 1.66x faster

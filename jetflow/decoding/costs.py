@@ -144,7 +144,7 @@ COST_BUDGETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 # The modules whose code decides what a verify or a draft costs. A cached curve is keyed by their
 # source: a change to a kernel or to the draft path measures it again (seen: a layout fix made a
-# 2-token verify 1.5x cheaper, and a curve cached before it kept `auto` from drafting).
+# 2-token verify 1.5x cheaper, and the curve cached before it still priced that verify at 1.62 steps).
 COST_CODE = ("models/few_row_linear.py", "models/int8.py", "models/target.py", "models/layers.py",
              "models/gqa_attention.py", "models/draft_head.py", "models/eagle_head.py", "models/kv_cache.py",
              "models/llamacpp_target.py", "models/llamacpp_draft.py", "models/llamacpp_batch.py",
