@@ -76,13 +76,22 @@ def _load_jetflow(args):
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
                                    n_threads=args.threads, budget=args.budget, width=args.width,
-                                   lookup=not args.no_lookup, int8_draft=_int8_draft(args))
+                                   lookup=not args.no_lookup, int8_draft=_int8_draft(args),
+                                   auto_state=None if args.auto_state.lower() == "none" else args.auto_state)
 
 
 def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=["auto", "float", "int8"], default="auto",
                    help="the draft head's weights in its forward: int8 (dynamically quantized; the draft only, "
                         "never what is accepted) or float; auto (default): int8 on the CPU, float on a GPU")
+
+
+def _add_auto_state_arg(p: argparse.ArgumentParser) -> None:
+    from jetflow.utils.fs import cache_root
+
+    p.add_argument("--auto-state", default=str(cache_root() / "auto_state"), metavar="DIR|none",
+                   help="where --budget auto keeps what it learns (acceptance, costs, whether the head pays) from "
+                        "one run to the next, per machine and head (default: %(default)s); 'none': start from nothing")
 
 
 def _int8_draft(args) -> bool | None:
@@ -479,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     _add_draft_weights_arg(g)
+    _add_auto_state_arg(g)
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--compare", action="store_true",
@@ -714,6 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     _add_draft_weights_arg(v)
+    _add_auto_state_arg(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_non_negative_int, default=8000)
     v.add_argument("--max-batch", type=_positive_int, default=32,

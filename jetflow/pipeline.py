@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.loading import load_target
 from jetflow.models.shipped import shipped_drafter
-from jetflow.utils.fs import cache_root
+from jetflow.utils.fs import cache_root, write_json_atomic
 
 # The default budget on a GPU (not re-measured against 'auto' there).
 DEFAULT_BUDGET = 16
@@ -36,13 +38,18 @@ DEFAULT_WIDTH = 7
 class JetFlow:
     def __init__(self, target: TargetBackend, head: DraftHead | None = None, *, budget: int | str | None = None,
                  width: int = DEFAULT_WIDTH, cost_cache: str | Path | None = None, int8_draft: bool | None = None,
-                 lookup: bool = True, drafter: Drafter | None = None, refine: bool | int | str | None = None):
+                 lookup: bool = True, drafter: Drafter | None = None, refine: bool | int | str | None = None,
+                 auto_state: str | Path | None = None):
         """``head``: a draft head to run; or ``drafter``: a ready :class:`Drafter` (e.g. prompt lookup).
         ``lookup``: merge prompt-lookup candidates into the head's trees (decoding/mixed_drafter.py).
         ``refine``: a block head's path-conditioned second pass (decoding/refine.py; an int N: N such
         passes; "tree" or "tree:N": passes conditioning every node of the tree); None: one when the
-        head was trained for it."""
+        head was trained for it. ``auto_state``: a directory where ``budget="auto"`` keeps what it
+        learns (acceptance, costs, whether the head pays) from one process to the next, per machine
+        curve and head; None (the default): each decoder starts from nothing."""
         self.target = target
+        self.auto_state = Path(auto_state) if auto_state is not None else None
+        self._state_path: Path | None = None
         # The lean draft (int8 weights) by default on the CPU: on llama.cpp a decoding step is a few ms
         # and an fp32 head forward would cost more than the step; on torch it drafts in 2.5 ms where
         # fp32 took 5-14, and `auto` ran 1.04-1.10x faster with it (docs/results.md).
@@ -64,7 +71,26 @@ class JetFlow:
             costs = cached_costs(self.target, self.drafter, self.cost_cache, width=self.width,
                                  log=lambda m: print(f"jetflow: {m}", file=sys.stderr))
             self._adaptive = AdaptiveBudget(CostCurve(costs))
+            if self.auto_state is not None:
+                name = f"auto-state-{costs['cache_digest']}-{_head_digest(self.drafter.head)}.json"
+                self._state_path = self.auto_state / name
+                self._load_auto_state()
         return self._adaptive
+
+    def _load_auto_state(self) -> None:
+        """What ``auto`` learned in an earlier process, if saved; a damaged file is ignored (and
+        replaced after the next request)."""
+        path = self._state_path
+        if not path.is_file():
+            return
+        try:
+            self._adaptive.load_state(json.loads(path.read_text())["state"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # (json's errors are ValueErrors)
+            print(f"jetflow: ignoring the saved 'auto' state {path}: {e}", file=sys.stderr)
+
+    def _saving_auto_state(self, events: Iterator[str | GenerationResult]) -> Iterator[str | GenerationResult]:
+        yield from events
+        write_json_atomic(self._state_path, {"state": self._adaptive.state()})
 
     @classmethod
     def from_pretrained(cls, target: str | TargetBackend | None = None, drafter: str | Path | DraftHead | None = None,
@@ -101,7 +127,8 @@ class JetFlow:
             return autoregressive_stream(self.target, prompt_ids, params, output)
         if budget == "auto":
             budget = self.adaptive_budget()
-        return speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
+        events = speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
+        return self._saving_auto_state(events) if isinstance(budget, AdaptiveBudget) and self._state_path else events
 
     def generate(self, prompt, *, stream: bool = False, **kwargs):
         """A :class:`GenerationResult`, or with ``stream=True`` the iterator of :meth:`stream`."""
@@ -111,6 +138,15 @@ class JetFlow:
         *_, result = events
         return result
 
+
+
+def _head_digest(head: DraftHead) -> str:
+    """Names a head's weights: what `auto` learned about one head says nothing about another."""
+    h = hashlib.sha1()
+    for name, tensor in sorted(head.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _check_tree_args(budget, width) -> tuple[int | str, int]:

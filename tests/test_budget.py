@@ -93,6 +93,41 @@ def test_a_tree_rounds_overhead_is_not_diluted_by_plain_steps():
     assert ab.chain_offer(chain_tree([0.25])) is not None  # 1.25 / 12 > 1 / 10
 
 
+def test_a_learned_state_round_trips_through_json_and_bad_ones_are_refused():
+    """What a budget learned, saved as JSON and loaded into a fresh one, prices and decides as the
+    original does; a state of another shape or kind is refused and changes nothing."""
+    ab = AdaptiveBudget(curve(per_node_ms=2.0, base_ms=10.0, draft_ms=4.0), max_explore_every=16)
+    rng = random.Random(0)
+    t = hand_tree()
+    for i in range(60):  # plain steps, trees, chains with a paying offer: every part of the state moves
+        if i % 3 == 0:
+            ab.observe_plain(10.0 + rng.random())
+        else:
+            ab.should_draft(ab.chain_offer(chain_tree([0.9, 0.8])) if i % 3 == 1 else None)
+            ab.choose(t)
+            ab.observe(t, [0, 1] if rng.random() < 0.6 else [0], other_ms=rng.random(), verify_ms=14.0 + rng.random())
+    state = json.loads(json.dumps(ab.state()))
+    fresh = AdaptiveBudget(curve(per_node_ms=2.0, base_ms=10.0, draft_ms=4.0), max_explore_every=16)
+    fresh.load_state(state)
+    assert fresh.state() == ab.state()
+    assert fresh.expected_tokens(t) == ab.expected_tokens(t) and fresh.plain_rate() == ab.plain_rate()
+    assert fresh.head_settled_losing() == ab.head_settled_losing()
+    assert [fresh.choose(t) for _ in range(3)] == [ab.choose(t) for _ in range(3)]
+    offer = chain_tree([0.9, 0.8])
+    assert fresh.should_draft(fresh.chain_offer(offer)) == ab.should_draft(ab.chain_offer(offer))
+
+    before = fresh.state()
+    other_shape = AdaptiveBudget(curve(), bins=5)
+    bad = [{}, {**state, "hits": state["hits"][:3]}, {**state, "trials": [[0.0] * 10] * 33},
+           {**state, "chain_explorer": None}, {**state, "_scale_count": 3}]
+    for broken in bad:
+        with pytest.raises(ValueError):
+            fresh.load_state(broken)
+        assert fresh.state() == before
+    with pytest.raises(ValueError, match="rows"):
+        other_shape.load_state(state)
+
+
 def test_choice_follows_the_cost_curve():
     lp = torch.full((15, 30), -10.0)
     lp[:, 0] = math.log(0.97)  # a confident chain plus weak side branches
@@ -127,6 +162,39 @@ def test_auto_budget_is_lossless_and_its_cost_curve_is_cached(tiny_dir, tmp_path
     assert len(calls) == measured and len(list(tmp_path.glob("costs-*.json"))) == 1  # read, not measured
     with pytest.raises(Exception, match="or 'auto'"):
         jetflow.JetFlow(target, head, budget="fast")
+
+
+def test_auto_keeps_what_it_learned_between_decoders_when_asked(tiny_dir, tmp_path, capsys):
+    """With ``auto_state`` a decoder saves what `auto` learned after each request and a new one for
+    the same curve and head resumes it; another head starts fresh; a damaged file is ignored with a
+    notice and replaced; without ``auto_state`` nothing is written."""
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    costs, states = tmp_path / "costs", tmp_path / "states"
+
+    def decoder(h, auto_state=states):
+        return jetflow.JetFlow(target, h, budget="auto", cost_cache=costs, auto_state=auto_state)
+
+    ar = jetflow.generate(target, "hello", max_new_tokens=24)
+    jf = decoder(head)
+    assert jf.generate("hello", max_new_tokens=24).token_ids == ar.token_ids
+    (path,) = states.glob("auto-state-*.json")
+    learned = json.loads(json.dumps(jf.adaptive_budget().state()))
+    assert json.loads(path.read_text())["state"] == learned
+    assert decoder(head).adaptive_budget().state() == learned  # resumed
+    torch.manual_seed(1)
+    other = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    assert decoder(other).adaptive_budget().state() == decoder(other, None).adaptive_budget().state()  # fresh
+    assert decoder(other, None).adaptive_budget().state() != learned
+
+    path.write_text("{not json")
+    damaged = decoder(head)
+    assert damaged.generate("hello", max_new_tokens=24).token_ids == ar.token_ids
+    assert "ignoring the saved 'auto' state" in capsys.readouterr().err
+    assert json.loads(path.read_text())["state"] == json.loads(json.dumps(damaged.adaptive_budget().state()))
+    decoder(head, None).generate("hello", max_new_tokens=8)
+    assert len(list(states.glob("*.json"))) == 1
 
 
 def test_a_disturbed_cost_curve_is_measured_again_and_merged(tiny_dir, monkeypatch, tmp_path):

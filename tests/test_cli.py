@@ -91,6 +91,10 @@ def test_generate_with_auto_budget(tiny_dir, tiny_drafter, tmp_path, capsys, mon
     out = json.loads(capsys.readouterr().out)
     assert out["lossless"] is True and out["budget"] == "auto"
     assert len(list((tmp_path / "costs").glob("costs-*.json"))) == 1
+    assert len(list((tmp_path / "auto_state").glob("auto-state-*.json"))) == 1  # kept for the next run
+    rc = main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+               "--max-new-tokens", "12", "--budget", "auto", "--auto-state", "none", "--check-lossless"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["lossless"] is True
     with pytest.raises(SystemExit):
         main(["generate", "x", "--budget", "fast"])
 

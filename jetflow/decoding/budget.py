@@ -114,6 +114,47 @@ class AdaptiveBudget:
         self._reprobing = False  # the latest request collected features although the head had settled
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
+    # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
+    # acceptance counts, cost scales, the rest of a round, and where exploring and re-probing stand.
+    # Not kept: the plain-step timing (a new process times a plain step first) and in-round counters.
+    _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "_rounds", "_tree_rounds", "_plain_scale",
+              "_tree_rel", "_scale_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
+              "_featureless", "_reprobe_doublings", "_reprobing")
+    _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
+
+    def state(self) -> dict:
+        """What this budget has learned, as JSON-able values (:meth:`load_state` restores it)."""
+        chains = self._chain_explorer
+        return {**{name: getattr(self, name) for name in self._STATE},
+                "chain_explorer": {**{name: getattr(chains, name) for name in self._EXPLORER_STATE},
+                                   "rates": {str(way).lower(): rate for way, rate in chains.rates.items()}}}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state`; ValueError (nothing changed) when it does not fit this budget."""
+        try:
+            values = {name: state[name] for name in self._STATE}
+            chains = state["chain_explorer"]
+            explorer = {name: chains[name] for name in self._EXPLORER_STATE}
+            rates = {{"true": True, "false": False}[way]: float(rate) for way, rate in chains["rates"].items()}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a saved budget state ({e!r} missing or of the wrong kind)") from None
+        for name in ("hits", "trials"):
+            table = values[name]
+            if (not isinstance(table, list) or len(table) != self.max_depth + 1
+                    or any(not isinstance(row, list) or len(row) != self.bins for row in table)):
+                raise ValueError(f"{name}: expected {self.max_depth + 1} rows of {self.bins} counts")
+            values[name] = [[float(x) for x in row] for row in table]
+        if any(t <= 0 for row in values["trials"] for t in row):
+            raise ValueError("trials: counts must be positive")
+        if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
+            raise ValueError("_scale_count: expected two counts")
+        for name, value in values.items():
+            setattr(self, name, value)
+        for name, value in explorer.items():
+            setattr(self._chain_explorer, name, value)
+        self._chain_explorer.rates = rates
+        self._chain_prices.clear()
+
     def head_settled_losing(self) -> bool:
         """Whether drafting lost against plain steps until exploring reached its longest gap, and
         the latest round with a paying lookup chain on offer (if any) preferred the chain alone."""

@@ -194,7 +194,7 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
             stored = json.loads(path.read_text())
             costs = _int_keys(stored["costs"])
             if stored.get("key") == key and ("attempts" in costs or disturbance(costs) is None):
-                return costs
+                return {**costs, "cache_digest": digest}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             pass
     if log is not None:  # the first `auto` request on a machine waits for this (under a minute on a 2-core CPU)
@@ -209,7 +209,7 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
         if log is not None:
             log(f"cost curve looks disturbed ({reason}); measuring again")
     write_json_atomic(path, {"key": key, "costs": costs})
-    return costs
+    return {**costs, "cache_digest": digest}  # names the curve (what `auto` learns is kept per curve)
 
 
 def _int_keys(costs: dict) -> dict:
