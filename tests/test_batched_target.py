@@ -172,6 +172,7 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
     from jetflow.decoding.load_budget import LoadBudget
 
     monkeypatch.setattr(AdaptiveBudget, "_observe_verify", lambda *a: None)  # price by this curve only
+    monkeypatch.setattr(AdaptiveBudget, "_observe_overhead", lambda *a, **k: None)  # (a tiny model's Python)
 
     torch.manual_seed(0)
     head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
