@@ -10,7 +10,7 @@ serial (--max-batch 1, one request at a time); FORM sets the torch server's JETF
 ``torch-batch@standard``; WEIGHTS is the server's --draft-weights (auto|float|int8), e.g.
 ``torch-batch@paired/float``; ``CONFIG:CLIENTS`` restricts its client counts, joined with '+', e.g.
 ``torch-serial:1`` or ``torch-batch:8+32``. Every server uses the shipped drafter
-and --budget auto. Resumable: windows already in --out are not run again.
+and --budget auto, starting from nothing (--auto-state none). Resumable: windows already in --out are not run again.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def run_config(name: str, clients: str, args) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", backend, "--port", str(args.port),
            "--max-batch", str(args.max_batch if mode == "batch" else 1), "--max-queue", "64",
-           *(["--draft-weights", weights] if weights else []), *args.server_args.split()]
+           *(["--draft-weights", weights] if weights else []), "--auto-state", "none",  # every config from nothing
+           *args.server_args.split()]
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:

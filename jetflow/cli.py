@@ -86,12 +86,13 @@ def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
                         "never what is accepted) or float; auto (default): int8 on the CPU, float on a GPU")
 
 
-def _add_auto_state_arg(p: argparse.ArgumentParser) -> None:
+def _add_auto_state_arg(p: argparse.ArgumentParser, note: str = "") -> None:
     from jetflow.utils.fs import cache_root
 
     p.add_argument("--auto-state", default=str(cache_root() / "auto_state"), metavar="DIR|none",
                    help="where --budget auto keeps what it learns (acceptance, costs, whether the head pays) from "
-                        "one run to the next, per machine and head (default: %(default)s); 'none': start from nothing")
+                        f"one run to the next, per machine and head (default: %(default)s); 'none': start from "
+                        f"nothing{note}")
 
 
 def _int8_draft(args) -> bool | None:
@@ -724,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     _add_draft_weights_arg(v)
-    _add_auto_state_arg(v)
+    _add_auto_state_arg(v, "; kept with --max-batch 1 only (a batch's shared policy starts from nothing)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_non_negative_int, default=8000)
     v.add_argument("--max-batch", type=_positive_int, default=32,
