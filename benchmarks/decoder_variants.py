@@ -21,7 +21,7 @@ import dataclasses
 
 from jetflow.cli import _refine_mode
 from jetflow.eval.datasets import load_eval_set
-from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
+from jetflow.eval.harness import BenchSettings, print_comparison, run_side_by_side
 from jetflow.eval.machine import machine
 from jetflow.eval.methods import METHODS, MethodRunner
 from jetflow.models.checkpoint import load_drafter
@@ -75,19 +75,18 @@ def main() -> int:
     result = {"machine": machine(), "settings": {**vars(args), "linear_form": target.linear_form}, "datasets": {}}
     for dataset in args.datasets.split(","):
         rows = run_side_by_side(runner, runs, load_eval_set(dataset, args.limit), settings, dataset)
-        def compare(key: str, label: str, v: str, budget, base_v: str, base_budget) -> None:
-            run, base = rows[f"jetflow-lookup/{v}@{budget}"], rows[f"jetflow-lookup/{base_v}@{base_budget}"]
-            c = rows[key] = compare_rows(run, base)
-            ci = f" [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]" if c["ci95"] else ""  # none from one prompt
-            print(f"{dataset:8s} {label} {c['ratio']:.2f}x{ci}")
+        def run(v: str, budget) -> dict:
+            return rows[f"jetflow-lookup/{v}@{budget}"]
 
+        first = variants[0]
         for budget in budgets:  # each variant against the first, method for method
             for v in variants[1:]:
-                compare(f"{v}_vs_{variants[0]}@{budget}", f"@{budget}: {v} / {variants[0]}",
-                        v, budget, variants[0], budget)
+                rows[f"{v}_vs_{first}@{budget}"] = print_comparison(
+                    f"{dataset:8s} @{budget}: {v} / {first}", run(v, budget), run(first, budget))
         for v in variants:  # each budget against the first, variant for variant
             for budget in budgets[1:]:
-                compare(f"{v}@{budget}_vs_@{budgets[0]}", f"{v}: @{budget} / @{budgets[0]}", v, budget, v, budgets[0])
+                rows[f"{v}@{budget}_vs_@{budgets[0]}"] = print_comparison(
+                    f"{dataset:8s} {v}: @{budget} / @{budgets[0]}", run(v, budget), run(v, budgets[0]))
         result["datasets"][dataset] = rows
         write_json_atomic(args.out, result)
     return 0

@@ -18,7 +18,7 @@ import os
 
 from jetflow.models.shipped import shipped_drafter
 from jetflow.eval.datasets import load_eval_set
-from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
+from jetflow.eval.harness import BenchSettings, print_comparison, run_side_by_side
 from jetflow.eval.machine import machine
 from jetflow.eval.methods import METHODS, MethodRunner
 from jetflow.models.checkpoint import load_drafter
@@ -72,11 +72,11 @@ def main() -> int:
         rows = run_side_by_side(runner, runs, load_eval_set(dataset, args.limit), settings, dataset)
         for form in forms[1:]:  # each form against the reference form, method for method
             for budget in budgets:
-                c = rows[f"{form}_vs_{base}@{budget}"] = compare_rows(rows[f"jetflow-lookup/{form}@{budget}"],
-                                                                      rows[f"jetflow-lookup/{base}@{budget}"])
-                print(f"{dataset:8s} @{budget}: {form} / {base} {c['ratio']:.2f}x [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
-            c = rows[f"{form}_vs_{base}@ar"] = compare_rows(rows[f"ar/{form}"], rows[f"ar/{base}"])
-            print(f"{dataset:8s} ar: {form} / {base} {c['ratio']:.2f}x [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]")
+                rows[f"{form}_vs_{base}@{budget}"] = print_comparison(
+                    f"{dataset:8s} @{budget}: {form} / {base}", rows[f"jetflow-lookup/{form}@{budget}"],
+                    rows[f"jetflow-lookup/{base}@{budget}"])
+            rows[f"{form}_vs_{base}@ar"] = print_comparison(f"{dataset:8s} ar: {form} / {base}", rows[f"ar/{form}"],
+                                                            rows[f"ar/{base}"])
         result["datasets"][dataset] = rows
         write_json_atomic(args.out, result)
     return 0

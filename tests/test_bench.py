@@ -216,7 +216,7 @@ def test_interleaved_runs_rotate_per_prompt_and_match_sequential_runs(tiny_dir, 
 
 def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
     from jetflow.eval.datasets import EvalPrompt
-    from jetflow.eval.harness import BenchSettings, compare_rows, run_side_by_side
+    from jetflow.eval.harness import BenchSettings, compare_rows, print_comparison, run_side_by_side
 
     target = TargetModel.load(str(tiny_dir))
     runner = MethodRunner(target, {"causal": load_drafter(heads["causal"], target=target)}, width=3)
@@ -237,6 +237,11 @@ def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
     assert c["ratio"] == pytest.approx(rows["jetflow@4"]["summary"]["speedup"])
     lo, hi = c["ci95"]
     assert lo <= hi and (lo, hi) == tuple(rows["jetflow@4"]["summary"]["ci95"])
+    assert print_comparison("mine jetflow / ar", rows["jetflow@4"], rows["ar"]) == c
+    assert capsys.readouterr().out == f"mine jetflow / ar {c['ratio']:.2f}x [{lo:.2f}-{hi:.2f}]\n"
+    one = {k: {"summary": r["summary"], "records": r["records"][:1]} for k, r in rows.items()}
+    assert print_comparison("one", one["jetflow@4"], one["ar"])["ci95"] is None  # one prompt: no interval
+    assert capsys.readouterr().out == f"one {compare_rows(one['jetflow@4'], one['ar'])['ratio']:.2f}x\n"
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -136,6 +136,14 @@ def compare_rows(a: dict, b: dict) -> dict:
             "ci95": speedup_interval(a["records"], b["records"])}
 
 
+def print_comparison(label: str, a: dict, b: dict) -> dict:
+    """:func:`compare_rows` of ``a`` against ``b``, printed as "label ratio [interval]" (one prompt
+    gives no interval)."""
+    c = compare_rows(a, b)
+    print(f"{label} {c['ratio']:.2f}x" + (f" [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]" if c["ci95"] else ""))
+    return c
+
+
 def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
               equal_to: list[dict] | None = None, by_category: bool = True, as_text=None) -> dict:
     """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
