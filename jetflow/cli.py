@@ -120,6 +120,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
 def _replay_passes(text: str) -> int | str:
     """eval-offline's --refine-passes: N >= 0 path passes, or 'tree' / 'tree:N'."""
     return _refine_mode(text) if text.startswith("tree") else _non_negative_int(text)
@@ -727,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_weights_arg(v)
     _add_auto_state_arg(v, "; kept with --max-batch 1 only (a batch's shared policy starts from nothing)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=_non_negative_int, default=8000)
+    v.add_argument("--port", type=_port, default=8000)
     v.add_argument("--max-batch", type=_positive_int, default=32,
                    help="requests decoded together, continuously batched: each step verifies all their drafts in "
                         "one forward (1 = one request at a time); on llama.cpp each request holds a KV stream of the "

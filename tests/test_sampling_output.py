@@ -52,11 +52,32 @@ def test_greedy_takes_the_first_maximum_as_torch_argmax_does():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"), (dict(seed="x"), "seed"),
+    (dict(top_k=2.5), "top_k"), (dict(seed="x"), "seed"), (dict(seed=2 ** 64), "seed"),
+    (dict(seed=-2 ** 63 - 1), "seed"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_seeds_span_torchs_range_and_tiny_temperatures_decode_greedily():
+    for seed in (-2 ** 63, 2 ** 64 - 1):
+        SamplingParams(temperature=1.0, seed=seed).make_generator()
+    logits = torch.tensor([20.0, 19.0, -5.0])
+    # float32 logits / 1e-40 overflow to inf and the softmax to NaN: such temperatures are greedy
+    for t in (1e-40, 1e-46, 9e-6):
+        params = SamplingParams(temperature=t)
+        assert params.greedy and torch.equal(target_probs(logits, params), torch.tensor([1.0, 0.0, 0.0]))
+        assert next_token(logits, params, params.make_generator()) == 0
+    assert not SamplingParams(temperature=1e-5).greedy and not target_probs(logits, SamplingParams(1e-5)).isnan().any()
+
+
+def test_unpaired_surrogates_are_refused_with_a_clear_error(tokenizer):
+    from jetflow.decoding.prompt import encode_prompt
+
+    with pytest.raises(InvalidRequestError, match="not valid Unicode: an unpaired surrogate"):
+        encode_prompt(tokenizer, "hi \ud83d", chat=False)
+    assert encode_prompt(tokenizer, "hi \U0001F600", chat=False)  # the pair itself is fine
 
 
 def stream_for(tokenizer, **kw):

@@ -158,6 +158,15 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ({**CHAT, "stream": "yes"}, None, 400, "'stream' must be a boolean"),
     ({**CHAT, "messages": [{"role": "user", "content": "x " * 300}]}, None, 400, "this model's context is 512"),
     ({**CHAT, "messages": [{"role": "user", "content": "x" * 30000}]}, None, 413, "exceeds the limit of 20000"),
+    ({**CHAT, "seed": 2 ** 64}, None, 400, "'seed' must be in [-9223372036854775808, 18446744073709551615]"),
+    ({**CHAT, "seed": 2 ** 64, "stream": True}, None, 400, "'seed' must be in"),
+    (None, b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400,
+     "messages[0].content is not valid Unicode: an unpaired surrogate at character 3"),
+    ({**CHAT, "echo": True}, None, 400, "'echo' is not supported"),
+    ({**CHAT, "logprobs": True}, None, 400, "'logprobs' is not supported"),
+    ({**CHAT, "presence_penalty": 0.5}, None, 400, "'presence_penalty' is not supported"),
+    ({**CHAT, "stream": True, "stream_options": {"include_usage": "no"}}, None, 400,
+     "'stream_options.include_usage' must be a boolean"),
 ])
 def test_bad_input_gets_openai_shaped_4xx_and_the_server_stays_up(server, body, raw, status, message):
     r = post(server, "/v1/chat/completions", body, raw=raw)
@@ -165,6 +174,51 @@ def test_bad_input_gets_openai_shaped_4xx_and_the_server_stays_up(server, body, 
     err = r.json()["error"]
     assert message in err["message"] and {"type", "param", "code"} <= err.keys()
     assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(server):
+    body = {**CHAT, "echo": False, "logprobs": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "response_format": {"type": "text"}, "seed": -2 ** 63}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    r = post(server, "/v1/completions", None, raw=b'{"model": "tiny", "max_tokens": 2, "prompt": "ab\\ud800"}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_a_client_that_gives_up_on_a_plain_request_cancels_it(server):
+    """Not only streams: a non-streaming request whose client disconnects stops generating, and (one
+    request at a time here) the next client is served at once."""
+    before = metric(server, "jetflow_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/chat/completions", json={**CHAT, "max_tokens": 450},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.time() + 20
+    while metric(server, "jetflow_cancelled_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "jetflow_cancelled_total") == before + 1
+    assert post(server, "/v1/chat/completions", CHAT).json()["usage"]["completion_tokens"] == 4
+    assert 'jetflow_requests_total{endpoint="/v1/chat/completions",status="499"}' in httpx.get(server + "/metrics").text
+
+
+def test_metrics_label_only_known_routes(server):
+    for path in ("/v1/x123", "/v1/models/abc", "/whatever"):
+        httpx.get(server + path, headers={"Authorization": f"Bearer {KEY}"})
+    text = httpx.get(server + "/metrics").text
+    assert "/v1/x123" not in text and "/v1/models/abc" not in text
+    assert 'jetflow_requests_total{endpoint="other",status="404"}' in text
+
+
+def test_a_busy_or_bad_port_fails_at_once(endless_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = dict(os.environ, JETFLOW_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[1]))
+        for args, message in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                              (["--port", "70000"], "must be a TCP port in [0, 65535]")):
+            out = subprocess.run([sys.executable, "-m", "jetflow.cli", "serve", "--target", str(endless_dir / "target"),
+                                  "--drafter", "none", *args], env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+            assert "serving" not in out.stderr
 
 
 def test_completion_bad_input_and_auth(server):

@@ -9,6 +9,16 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def check_unicode(text: str, what: str) -> None:
+    """InvalidRequestError when ``text`` holds an unpaired UTF-16 surrogate (a valid JSON escape, and
+    what a client that cuts an emoji in half sends): tokenizers refuse such strings."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} is not valid Unicode: an unpaired surrogate "
+                                  f"{text[e.start]!r} at character {e.start}") from None
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
     """Token ids for ``prompt``: a string, or a list of chat messages ({"role", "content"}).
 
@@ -31,11 +41,13 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None)
             raise InvalidRequestError("this model's tokenizer has no chat template; use chat=False / --no-chat")
         if messages is None:
             messages = [{"role": "user", "content": prompt}]
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequestError("each chat message needs string fields 'role' and 'content'")
+            check_unicode(m["content"], f"message {i}'s content")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    check_unicode(prompt, "the prompt")
     return list(tokenizer(prompt)["input_ids"])
 
 

@@ -15,6 +15,12 @@ import torch
 from jetflow.errors import InvalidRequestError
 
 
+# Temperatures below this decode greedily (as vLLM's do): the distribution is one-hot up to float
+# rounding there, and dividing float32 logits by a temperature near 1e-38 overflows them to NaN.
+MIN_TEMPERATURE = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -32,10 +38,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidRequestError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -246,7 +246,7 @@ class MethodRunner:
         model = self.target.model
         forwards = [0]
         handle = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-        sample = params.temperature > 0
+        sample = not params.greedy
         stops = sorted(output.stop_token_ids)
         # A complete config, so none of the checkpoint's generation defaults (e.g. top_k=50) leak in.
         config = GenerationConfig(do_sample=sample, max_new_tokens=output.max_new_tokens, eos_token_id=stops or None,

@@ -18,7 +18,7 @@ import uuid
 import uvicorn
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.decoding.result import GenerationResult
@@ -29,6 +29,7 @@ from jetflow.serve.metrics import Metrics
 from jetflow.serve.protocol import GenerationRequest, parse_body, parse_request
 
 MAX_BODY_BYTES = 1 << 20
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health")
 
 
 def jetflow_stats(result: GenerationResult) -> dict:
@@ -137,10 +138,19 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
                 "total_tokens": result.prompt_tokens + result.new_tokens}
 
-    async def run_to_end(job) -> GenerationResult:
+    async def run_to_end(job, request: Request) -> GenerationResult:
+        """The job's result; ClientGone (the job cancelled) when the client disconnects first: the
+        server does not notice that for a plain response by itself, and would generate on for
+        nobody, holding a batch slot (with --max-batch 1, the whole server) until max_tokens."""
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             while True:
-                kind, payload = await job.events.get()
+                event = asyncio.ensure_future(job.events.get())
+                await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    raise ClientGone
+                kind, payload = event.result()
                 if kind == "done":
                     return payload
                 if kind == "error":
@@ -148,6 +158,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                 if kind == "cancelled":
                     raise EngineStopped("generation cancelled")
         finally:
+            gone.cancel()
             job.cancel()  # no-op when finished; stops the worker if this handler was abandoned
 
     async def generate(request: Request, kind: str):
@@ -158,7 +169,10 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                 return StreamingResponse(stream_events(req, job), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             try:
-                result = await run_to_end(job)
+                result = await run_to_end(job, request)
+            except ClientGone:
+                metrics.cancel()
+                return Response(status_code=499)  # nginx's "client closed request": sent to nobody, counted
             except EngineStopped as e:
                 raise APIError(503, str(e), type="server_error", code="shutting_down") from None
             except InvalidRequestError as e:
@@ -242,7 +256,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path.startswith("/v1/") or path in ("/metrics", "/health") else "other"
+        endpoint = path if path in ENDPOINTS else "other"  # a bounded label set, whatever clients request
         status = {"code": 500}
 
         async def send_and_count(message):
@@ -278,6 +292,16 @@ class CleanExitServer(uvicorn.Server):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+class ClientGone(Exception):
+    """The client of a plain (non-streaming) request disconnected before its answer."""
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client of ``request`` (its body already read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _ids(kind: str) -> tuple[str, int]:

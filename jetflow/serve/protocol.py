@@ -10,9 +10,15 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from jetflow.decoding.sampling import SEED_RANGE
 from jetflow.serve.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+# OpenAI parameters this server does not implement, with the values that leave a response unchanged:
+# any other value is refused (400) rather than silently ignored.
+UNSUPPORTED = {"echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "suffix": ("",),
+               "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],),
+               "functions": ([],), "response_format": ({"type": "text"},)}
 
 
 @dataclass
@@ -57,13 +63,38 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     return float(value)
 
 
-def _integer(body: dict, name: str) -> int | None:
+def _integer(body: dict, name: str, low: int | None = None, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise bad_request(f"'{name}' must be in [{low}, {high}], got {value}", name)
     return value
+
+
+def _text(value: str, name: str, param: str) -> str:
+    """``value``, refused when it holds an unpaired UTF-16 surrogate (valid JSON, not valid Unicode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{name} is not valid Unicode: an unpaired surrogate at character {e.start}", param) from None
+    return value
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    # exact types: true is not 1 here, nor false 0 (JSON keeps them apart; Python's bool is an int)
+    number = (int, float)
+    return any(value == v and (type(value) is type(v) or type(value) in number and type(v) in number)
+               for v in neutral)
+
+
+def _unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not _neutral(value, neutral):
+            raise bad_request(f"'{name}' is not supported by this server (got {json.dumps(value)})", name)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -84,6 +115,7 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string", "messages")
+        _text(content, f"messages[{i}].content", "messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if not any(m["role"] == "user" and m["content"].strip() for m in out):
         raise bad_request("'messages' must contain a non-empty user message", "messages")
@@ -100,7 +132,7 @@ def _prompt(body: dict) -> str:
         raise bad_request("'prompt' must be a string (batches of prompts are not supported)", "prompt")
     if not prompt.strip():
         raise bad_request("'prompt' must not be empty", "prompt")
-    return prompt
+    return _text(prompt, "'prompt'", "prompt")
 
 
 def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
@@ -110,6 +142,7 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
     if model not in models:
         raise APIError(404, f"The model '{model}' does not exist; this server has: {', '.join(sorted(models))}",
                        param="model", code="model_not_found")
+    _unsupported(body)
     prompt = _messages(body) if kind == "chat" else _prompt(body)
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, limit_name)
@@ -125,14 +158,20 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
+    for i, s in enumerate(stop):
+        _text(s, f"stop[{i}]", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request(f"'stream_options.include_usage' must be a boolean, got {json.dumps(include_usage)}",
+                          "stream_options")
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        stop=stop, seed=_integer(body, "seed"), stream=stream, include_usage=bool(options.get("include_usage")))
+        stop=stop, seed=_integer(body, "seed", *SEED_RANGE), stream=stream, include_usage=include_usage)

@@ -12,12 +12,14 @@ libgomp cuts its spin-waiting, so every small op waits for sleeping workers: 1.6
 from __future__ import annotations
 
 import queue
+import socket
 import sys
 import threading
 from collections.abc import Callable
 
 import uvicorn
 
+from jetflow.errors import JetFlowError
 from jetflow.pipeline import JetFlow
 from jetflow.serve.app import CleanExitServer, create_app
 from jetflow.serve.engine import Engine
@@ -57,12 +59,31 @@ def start_engine(load: Callable[[], JetFlow], **engine_kw) -> tuple[JetFlow, Eng
     return got
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or out of range fails in a
+    second with a clear error, not after the load, and no client can take it in between."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as e:
+        raise JetFlowError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise JetFlowError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(jf: JetFlow | Callable[[], JetFlow], *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
           api_key: str | None = None, model_name: str | None = None, max_body_bytes: int = 1 << 20,
           shutdown_timeout: float = 30.0, log_level: str = "warning", max_batch: int = 32,
           max_prefill_tokens: int = 256) -> None:
     """Serve on http://host:port/v1. ``jf``: a JetFlow, or (better) a function that loads one, so
     that the loading happens in the engine's thread too."""
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]  # the port the OS gave for --port 0
     metrics = Metrics()
     jf, engine = start_engine(jf if callable(jf) else (lambda: jf), max_queue=max_queue, metrics=metrics,
                               max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
@@ -73,4 +94,4 @@ def serve(jf: JetFlow | Callable[[], JetFlow], *, host: str = "127.0.0.1", port:
           f"batch: up to {engine.max_batch}) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
-    CleanExitServer(config).run()  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
+    CleanExitServer(config).run(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
