@@ -335,6 +335,39 @@ def test_a_head_settled_as_losing_skips_features_but_reprobes_at_doubling_gaps()
     assert not paying.head_settled_losing() and all(paying.collects_features() for _ in range(10))
 
 
+def test_a_reprobe_drafts_at_once_and_stops_collecting_features_while_the_head_still_loses():
+    lp = torch.full((15, 30), math.log(0.7 / 29))
+    lp[:, 0] = math.log(0.3)
+    ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8,
+                        reprobe_every=3)
+    settle_losing(ab)
+    assert [ab.collects_features() for _ in range(3)] == [False, False, True]  # the third: a re-probe
+    assert ab.keeps_features()  # nothing drafted yet in this request
+    assert ab.should_draft()  # at once, although exploring stands at its longest gap
+    ab.choose(build_tree(lp, 5, 64, 7))  # ... and the head still loses: no more features this request
+    assert ab.head_settled_losing() and not ab.keeps_features()
+    assert not any(ab.should_draft() for _ in range(ab.max_explore_every - 1))  # no second probe
+    # a re-probe whose draft finds the head paying keeps features and starts exploring over
+    assert [ab.collects_features() for _ in range(6)] == [False] * 5 + [True]
+    assert ab.should_draft()
+    ab.draft_rate = 10 * ab.plain_rate()
+    assert not ab.head_settled_losing() and ab.keeps_features()
+    assert ab.should_draft() and ab._explore_gap == ab.explore_every
+    # a request that collects features because the head has not settled keeps them until it settles
+    fresh = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
+    assert fresh.collects_features() and fresh.keeps_features()
+    fresh.should_draft()
+    fresh.choose(build_tree(lp, 5, 64, 7))
+    while fresh._explore_gap < fresh.max_explore_every:
+        assert fresh.keeps_features()
+        if fresh.should_draft():
+            fresh.choose(build_tree(lp, 5, 64, 7))
+    assert not fresh.keeps_features()
+    # a head that pays keeps them
+    paying = drafting_head()
+    assert paying.collects_features() and paying.should_draft() and paying.keeps_features()
+
+
 def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_path):
     target = TargetModel.load(str(tiny_dir))
     torch.manual_seed(0)
@@ -365,8 +398,12 @@ def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_pa
     for _ in range(6):
         assert jf.generate(prompt, max_new_tokens=8).stats["features"] is False
     asked.clear()
-    probe = jf.generate(prompt, max_new_tokens=32)  # the eighth: features on, the head may explore
-    assert probe.stats["features"] is True and all(asked) and probe.token_ids == ar.token_ids
+    ab.plain_rate = lambda: 1e9  # whatever the tiny model's timings: the head keeps losing
+    probe = jf.generate(prompt, max_new_tokens=32)  # the eighth: features on, the head drafts once ...
+    assert probe.stats["features"] is True and probe.token_ids == ar.token_ids
+    assert probe.stats["round_kinds"].get("drafted", 0) == 1 and probe.stats["features_dropped"] is True
+    with_features = asked.index(False)  # ... and then the rest of the request reads no features
+    assert with_features >= 2 and not any(asked[with_features:])
 
 
 def _state(budget: AdaptiveBudget) -> dict:

@@ -37,7 +37,10 @@ and with lookup chains alone; every ``reprobe_every``-th one collects features a
 before, so a head that starts to pay (other prompts, a less loaded machine) is found again. Each
 such re-probe that finds the head still losing doubles the gap to the next (up to
 ``max_reprobe_every`` requests), as exploring does within requests: a long-running server on a
-machine where the head never pays stops paying for re-probes too.
+machine where the head never pays stops paying for re-probes too. A re-probe drafts at its first
+chance rather than after the longest exploring gap, and a request that collects features stops
+collecting them once it has drafted and the head is (still, or now) settled as losing
+(``keeps_features``): a re-probe then costs a few rounds with features, not a whole request.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class AdaptiveBudget:
         self._featureless = 0  # requests in a row served without features (the head settled as losing)
         self._reprobe_doublings = 0  # re-probes in a row that found the head still losing
         self._reprobing = False  # the latest request collected features although the head had settled
+        # Within a request (not kept between processes): a re-probe's draft is due at its first
+        # chance; whether this request has drafted since it began.
+        self._probe_due, self._drafted = False, False
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
@@ -167,6 +173,7 @@ class AdaptiveBudget:
         """Once per request: whether its forwards return the target features the head reads. False
         while the head has settled as losing, except for re-probes: every ``reprobe_every``-th
         request, the gap doubling after each re-probe that leaves the head losing."""
+        self._drafted, self._probe_due = False, False
         if not self.head_settled_losing():
             self._featureless, self._reprobe_doublings, self._reprobing = 0, 0, False
             return True
@@ -174,10 +181,16 @@ class AdaptiveBudget:
             self._reprobe_doublings += 1
             self._reprobing = False
         if self._featureless + 1 >= self.reprobe_gap():
-            self._featureless, self._reprobing = 0, True
+            self._featureless, self._reprobing, self._probe_due = 0, True, True
             return True
         self._featureless += 1
         return False
+
+    def keeps_features(self) -> bool:
+        """Asked each round of a request that collects features: False once this request has
+        drafted and the head is settled as losing (a re-probe that found it still losing, or the
+        exploring that settled it), after which the request decodes without features."""
+        return not (self._drafted and self.head_settled_losing())
 
     def reprobe_gap(self) -> int:
         """Requests from one re-probe to the next while the head has settled as losing."""
@@ -284,6 +297,14 @@ class AdaptiveBudget:
         """False when drafting is expected to be slower than a plain step, or than verifying the
         paying lookup ``chain`` alone (see the module doc)."""
         self._offer = None
+        if self._probe_due:  # a re-probe: draft now rather than after the longest exploring gap
+            self._probe_due, self._drafted, self._offer = False, True, chain
+            return True
+        drafted = self._decide_draft(chain)
+        self._drafted = self._drafted or drafted
+        return drafted
+
+    def _decide_draft(self, chain: ChainOffer | None) -> bool:
         if chain is not None:
             if self.head_gain is None:  # the head's gain not measured yet: the model's estimate
                 prefer = self.draft_rate is None or self.draft_rate >= chain.rate

@@ -37,7 +37,8 @@ def speculative_stream(
     t0 = time.perf_counter()
     stats = SpeculativeStats(device=target.device)
     generator = params.make_generator(target.device)
-    # Without features (the head settled as losing, decoding/budget.py) no round may draft.
+    # Without features (the head settled as losing, decoding/budget.py) no round may draft; a request
+    # that collects them stops once it has drafted and the head is settled as losing.
     features = adaptive is None or adaptive.collects_features()
     pre = target.prefill(prompt_ids, return_hidden=features)
     drafter.reset()
@@ -48,10 +49,13 @@ def speculative_stream(
     # Most rounds of `auto` where drafts do not pay: the runtime's own greedy step, with no tree and
     # one timing (their Python runs right after a decode, with cold caches, so it costs ~1% of a step).
     plain_steps = adaptive is not None and params.greedy and not features
+    dropped = False  # features stopped mid-request: the head drafted and settled as losing
     finished = output.add(root)
     while not finished:
         if delta := output.drain():
             yield delta
+        if features and adaptive is not None and not adaptive.keeps_features():
+            features, plain_steps, dropped = False, params.greedy, True
         room = target.max_context - target.past_len - 1  # deepest node that still fits the context
         if room < 0:
             output.finish("length")
@@ -100,7 +104,8 @@ def speculative_stream(
     yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s,
                                        method="jetflow",
                                        stats={"budget": "auto" if adaptive else budget, "width": width,
-                                              "features": features, **stats.to_dict()})
+                                              "features": features or dropped, "features_dropped": dropped,
+                                              **stats.to_dict()})
 
 
 def _verify_round(target: TargetBackend, drafter: Drafter, tree: DraftTree, params: SamplingParams,
