@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,7 +78,29 @@ def _load_jetflow(args):
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
                                    n_threads=args.threads, budget=args.budget, width=args.width,
                                    lookup=not args.no_lookup, int8_draft=_int8_draft(args),
-                                   auto_state=None if args.auto_state.lower() == "none" else args.auto_state)
+                                   auto_state=_auto_state_dir(args.auto_state))
+
+
+def _auto_state_dir(text: str) -> Path | None:
+    """--auto-state: None for 'none', else a writable directory."""
+    return None if text.lower() == "none" else _writable_dir(text, "--auto-state")
+
+
+def _writable_dir(text: str, flag: str) -> Path:
+    """A directory that exists or can be made, and is writable: checked before a model loads, not
+    when the first result is to be saved."""
+    if not text.strip():
+        raise JetFlowError(f"{flag} must name a directory, got an empty string")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise JetFlowError(f"{flag} {text} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JetFlowError(f"{flag} {text}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise JetFlowError(f"{flag} {text}: the directory is not writable")
+    return path
 
 
 def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
@@ -113,8 +136,15 @@ def _comparison(spec, ar, drafter) -> str:
     return "\n".join(lines)
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -133,11 +163,18 @@ def _replay_passes(text: str) -> int | str:
 
 
 def _budget(text: str) -> int | str:
-    return "auto" if text == "auto" else _non_negative_int(text)
+    from jetflow.pipeline import MAX_BUDGET
+
+    if text.lower() == "auto":
+        return "auto"
+    value = _non_negative_int(text)
+    if value > MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a node count in [0, {MAX_BUDGET}], got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -154,6 +191,8 @@ def _data_dir(text: str) -> Path:
 
 
 def cmd_generate(args) -> int:
+    import secrets
+
     from jetflow.decoding.reference import generate_with_reference
     from jetflow.decoding.sampling import SamplingParams
 
@@ -161,15 +200,21 @@ def cmd_generate(args) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if not args.prompt.strip():
         raise JetFlowError("empty prompt")
+    reference = args.check_lossless or args.compare
+    seed = args.seed
+    if reference and seed is None and not SamplingParams(args.temperature).greedy:
+        # Sampling is lossless in distribution: both runs must draw from the same seeded generator.
+        seed = secrets.randbits(63)
+        print(f"[sampling with seed {seed} in both runs]", file=sys.stderr)
     jf = _load_jetflow(args)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
-    result, reference = generate_with_reference(jf, args.prompt, reference=args.check_lossless or args.compare,
+                   top_p=args.top_p, seed=seed, stop=args.stop or (), chat=args.chat)
+    result, reference = generate_with_reference(jf, args.prompt, reference=reference,
                                                 on_delta=None if args.json else _write_delta, **request)
     lossless = None if reference is None else reference.token_ids == result.token_ids
     if args.json:
         out = result.to_dict()
-        out.update(target=jf.target.name, drafter=jf.drafter_path)
+        out.update(target=jf.target.name, drafter=jf.drafter_path, seed=seed)
         if reference is not None:
             out["autoregressive"] = {"tokens_per_s": reference.tokens_per_s, "seconds": reference.seconds}
         for key in ("tau", "rounds", "accept_lengths", "budget", "mean_tree_size"):
@@ -378,9 +423,10 @@ def cmd_bench(args) -> int:
     from jetflow.eval.methods import parse_methods, reference_method
 
     methods = parse_methods(args.methods)
+    from jetflow.decoding.sampling import SamplingParams
+
     budgets = _budget_list(args.budgets)
-    if args.temperature < 0:
-        raise JetFlowError(f"--temperature must be >= 0, got {args.temperature}")
+    SamplingParams(args.temperature, seed=args.seed)  # bad values fail before the model loads
     loaded = [load_eval_set(name, args.limit) for name in dict.fromkeys(
         d.strip() for d in args.datasets.split(",") if d.strip())]
     datasets = {prompts[0].dataset: prompts for prompts in loaded}  # a .jsonl file is named after its stem
@@ -388,6 +434,7 @@ def cmd_bench(args) -> int:
         raise JetFlowError("two --datasets have the same name (a .jsonl file is named after its file name stem)")
     if not datasets:
         raise JetFlowError("--datasets names no evaluation set")
+    _writable_dir(str(args.out), "--out")
     target = _load_jetflow_target(args)
     methods = parse_methods(args.methods, reference_method(target))  # llama.cpp runs compare with llama-ar
     drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter,
@@ -396,7 +443,7 @@ def cmd_bench(args) -> int:
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed, limit=args.limit, repeats=args.repeats,
                                     cost_model=not args.no_cost_model, interleave=args.order == "interleaved",
-                                    refine=args.refine, int8_draft=_int8_draft(args))
+                                    refine=args.refine, int8_draft=_int8_draft(args), overwrite=args.overwrite)
     print(json.dumps(summary))
     return 1 if mismatches else 0
 
@@ -441,9 +488,11 @@ def cmd_export_gguf(args) -> int:
 
 def _budget_list(text: str) -> list[int | str]:
     """--budgets: sorted distinct integers >= 1, then 'auto' if asked for."""
+    from jetflow.pipeline import MAX_BUDGET
+
     items = [t.strip() for t in text.split(",")]
-    if not all(t == "auto" or t.isdigit() and int(t) >= 1 for t in items):
-        raise JetFlowError(f"--budgets must be comma-separated integers >= 1 or 'auto', got {text!r}")
+    if not all(t == "auto" or t.isdigit() and 1 <= int(t) <= MAX_BUDGET for t in items):
+        raise JetFlowError(f"--budgets must be comma-separated integers in [1, {MAX_BUDGET}] or 'auto', got {text!r}")
     return sorted({int(t) for t in items if t != "auto"}) + (["auto"] if "auto" in items else [])
 
 
@@ -721,6 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs are saved when it ends); sequential: one run after another, each saved as it ends")
     b.add_argument("--no-cost-model", action="store_true", help="skip measuring the verify/draft cost curve")
     b.add_argument("--out", required=True, type=Path)
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace runs stored in --out with other settings (default: refuse, naming them)")
     b.set_defaults(func=cmd_bench)
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics, adaptive budget)")
     _add_target_args(v)

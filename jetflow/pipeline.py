@@ -32,6 +32,9 @@ DEFAULT_BUDGET = 16
 # than budget 16 on GSM8K / MT-Bench; llama.cpp: a 2-token verify costs 1.8 steps and no fixed
 # budget pays, while 'auto' falls back to plain steps; docs/results.md).
 DEFAULT_CPU_BUDGET = "auto"
+# The largest fixed budget: the method's range (16..256), and what llama.cpp verifies in one decode
+# (a tree of n nodes has at most n root-to-leaf paths; llama.cpp takes 256 sequences).
+MAX_BUDGET = 256
 DEFAULT_WIDTH = 7
 
 
@@ -89,8 +92,13 @@ class JetFlow:
             print(f"jetflow: ignoring the saved 'auto' state {path}: {e}", file=sys.stderr)
 
     def _saving_auto_state(self, events: Iterator[str | GenerationResult]) -> Iterator[str | GenerationResult]:
-        yield from events
-        write_json_atomic(self._state_path, {"state": self._adaptive.state()})
+        for event in events:
+            if isinstance(event, GenerationResult):  # the request is over: save, then hand over its result
+                try:
+                    write_json_atomic(self._state_path, {"state": self._adaptive.state()})
+                except OSError as e:  # the request's output matters more than what `auto` learned from it
+                    print(f"jetflow: could not save the 'auto' state to {self._state_path}: {e}", file=sys.stderr)
+            yield event
 
     @classmethod
     def from_pretrained(cls, target: str | TargetBackend | None = None, drafter: str | Path | DraftHead | None = None,
@@ -150,8 +158,9 @@ def _head_digest(head: DraftHead) -> str:
 
 
 def _check_tree_args(budget, width) -> tuple[int | str, int]:
-    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        raise InvalidRequestError(f"budget must be an integer >= 0 (draft nodes per round) or 'auto', got {budget!r}")
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_BUDGET):
+        raise InvalidRequestError(f"budget must be an integer in [0, {MAX_BUDGET}] (draft nodes per round) or 'auto', "
+                                  f"got {budget!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise InvalidRequestError(f"width must be an integer >= 1, got {width!r}")
     return budget, width

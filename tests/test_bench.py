@@ -171,8 +171,11 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     target = TargetModel.load(str(tiny_dir))
     torch.manual_seed(2)
     DraftHead(DraftHeadConfig.for_target(target, block_size=6)).save_pretrained(tmp_path / "other")
-    calls.clear()  # another causal drafter: its runs are redone, the drafter-free ones are reused
-    assert main(args[:4] + [str(tmp_path / "other")] + args[5:] + ["--methods", "ar,hf,jetflow"]) == 0
+    calls.clear()  # another causal drafter: its stored runs are not replaced unless asked, ...
+    other = args[:4] + [str(tmp_path / "other")] + args[5:] + ["--methods", "ar,hf,jetflow"]
+    assert main(other) == 2 and not calls
+    assert "made with other settings" in capsys.readouterr().err
+    assert main(other + ["--overwrite"]) == 0  # ... and then its runs are redone, the drafter-free ones reused
     assert set(calls) == {"jetflow"}
 
 
@@ -212,6 +215,16 @@ def test_interleaved_runs_rotate_per_prompt_and_match_sequential_runs(tiny_dir, 
     calls.clear()  # stored runs are reused; only the missing one is run again
     run_benchmark(runner, specs, {"mine": prompts}, [4], settings, tmp_path / "i", progress=False)
     assert {m for m, _, _ in calls} == {"lookup"} and len(calls) == 4
+    # other settings into the same directory: refused before anything runs, every stored run kept ...
+    stored = {p.name: p.read_bytes() for p in (tmp_path / "i" / "runs").iterdir()}
+    shorter = BenchSettings(target="tiny", drafters={"causal": str(heads["causal"])}, max_new_tokens=5)
+    calls.clear()
+    with pytest.raises(JetFlowError, match=r"3 run\(s\) made with other settings.*max_new_tokens 6 \(now 5\)"):
+        run_benchmark(runner, specs, {"mine": prompts}, [4], shorter, tmp_path / "i", progress=False)
+    assert not calls and stored == {p.name: p.read_bytes() for p in (tmp_path / "i" / "runs").iterdir()}
+    # ... unless asked to replace them
+    run_benchmark(runner, specs, {"mine": prompts}, [4], shorter, tmp_path / "i", progress=False, overwrite=True)
+    assert json.loads((tmp_path / "i" / "runs" / "mine__ar.json").read_text())["key"]["max_new_tokens"] == 5
 
 
 def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
@@ -248,14 +261,35 @@ def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
     (["--methods", "ar,dflash"], "pass --baseline-drafter"),
     (["--methods", "eagle3"], "'eagle3' needs a eagle3 draft head: pass --eagle-drafter"),
     (["--datasets", "nope"], "unknown evaluation set 'nope'"),
-    (["--budgets", "4,x"], "--budgets must be comma-separated integers >= 1 or 'auto'"),
-    (["--budgets", "0"], "--budgets must be comma-separated integers >= 1 or 'auto'"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--budgets", "4,x"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
+    (["--budgets", "0"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
+    (["--budgets", "16,300"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
     (["--drafter", "/no/such/dir"], "drafter checkpoint directory not found"),
 ])
 def test_bench_bad_input(tiny_dir, tmp_path, capsys, extra, message):
     assert main(["bench", "--target", str(tiny_dir), "--out", str(tmp_path / "o"), "--limit", "1"] + extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_out_must_be_a_writable_directory(tiny_dir, tmp_path, capsys):
+    kept = tmp_path / "results.txt"
+    kept.write_text("precious")
+    assert main(["bench", "--target", str(tiny_dir), "--out", str(kept), "--limit", "1", "--methods", "ar"]) == 2
+    assert f"--out {kept} is a file, not a directory" in capsys.readouterr().err and kept.read_text() == "precious"
+
+
+def test_jsonl_prompt_files_must_be_utf8_and_may_start_with_a_bom(tmp_path):
+    from jetflow.eval.datasets import load_eval_set
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(JetFlowError, match=r"latin.jsonl:1: not UTF-8 text"):
+        load_eval_set(str(latin))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')
+    assert load_eval_set(str(bom))[0].turns == ("caf\u00e9",)
 
 
 def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, capsys):

@@ -117,13 +117,75 @@ def test_compare_and_the_shipped_drafter_by_default(tiny_dir, tiny_drafter, tmp_
     assert str(tmp_path) in err
 
 
-def test_drafter_errors(tiny_dir, tmp_path, capsys):
+def test_drafter_errors(tiny_dir, tiny_drafter, tmp_path, capsys):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
     assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path / "nope")]) == 2
     assert "drafter checkpoint directory not found" in capsys.readouterr().err
     assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path)]) == 2
     assert "not a drafter checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--budget", "-1"])
+    # weights that do not fit their config, a truncated weights file, a config missing a field
+    for name in ("shape", "cut", "empty"):
+        shutil.copytree(tiny_drafter, tmp_path / name)
+    weights = load_file(tiny_drafter / "model.safetensors")
+    weights["fc.weight"] = torch.zeros(3, 3)
+    save_file(weights, tmp_path / "shape" / "model.safetensors")
+    whole = (tiny_drafter / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    for name, message in (("shape", "does not match its config: fc.weight has shape [3, 3], its config needs"),
+                          ("cut", "is not a readable safetensors file"),
+                          ("empty", "is not a valid drafter config: missing field")):
+        assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
+def test_generate_argument_errors_come_before_loading_and_name_the_problem(tiny_dir, tiny_drafter, tmp_path,
+                                                                           capsys):
+    kept = tmp_path / "a-file"
+    kept.write_text("keep me")
+    base = ["generate", "x", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--budget", "auto"]
+    for value, message in ((str(kept), f"--auto-state {kept} is a file, not a directory"),
+                           ("", "--auto-state must name a directory, got an empty string"),
+                           (str(kept / "sub"), "cannot create the directory")):
+        assert main(base + ["--auto-state", value]) == 2
+        assert message in capsys.readouterr().err
+    assert kept.read_text() == "keep me"
+    for flag, value, message in (("--budget", "300", "must be 'auto' or a node count in [0, 256], got 300"),
+                                 ("--budget", "abc", "expected an integer, got 'abc'"),
+                                 ("--max-new-tokens", "1.5", "expected an integer, got '1.5'")):
+        with pytest.raises(SystemExit):
+            main(["generate", "x", flag, value])
+        assert message in capsys.readouterr().err
+
+
+def test_an_auto_state_that_cannot_be_saved_loses_no_output(tiny_dir, tiny_drafter, tmp_path, capsys):
+    import jetflow
+    from jetflow.models.target import TargetModel
+
+    jf = jetflow.JetFlow.from_pretrained(str(tiny_dir), str(tiny_drafter), budget="auto", cost_cache=tmp_path,
+                                         auto_state=tmp_path / "state")
+    jf.adaptive_budget()
+    (tmp_path / "state").write_text("a file where the directory should be")  # saving fails after the request
+    result = jf.generate("hello", max_new_tokens=8)
+    assert result.new_tokens == 8 and "could not save the 'auto' state" in capsys.readouterr().err
+    assert result.token_ids == jetflow.generate(TargetModel.load(str(tiny_dir)), "hello", max_new_tokens=8).token_ids
+
+
+def test_checking_a_sampled_generation_seeds_both_runs_alike(tiny_dir, tiny_drafter, capsys):
+    for extra in (["--check-lossless"], ["--compare"]):
+        assert main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+                     "--max-new-tokens", "12", "--budget", "8", "--temperature", "0.9", *extra]) == 0
+        captured = capsys.readouterr()
+        out = json.loads(captured.out)
+        assert out["lossless"] is True and isinstance(out["seed"], int)
+        assert f"sampling with seed {out['seed']} in both runs" in captured.err
 
 
 def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):

@@ -282,8 +282,12 @@ def iter_json_array(stream: TextIO, chunk_chars: int = 1 << 20) -> Iterator[Any]
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line; bad lines raise naming file and line."""
-    with open(path, encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, 1):
+    with open(path, "rb") as lines:
+        for lineno, raw in enumerate(lines, 1):
+            try:  # (utf-8-sig: a byte-order mark, as some editors write one, is not an error)
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise JetFlowError(f"{path}:{lineno}: not UTF-8 text (byte {err.start} of the line)") from None
             if not line.strip():
                 continue
             try:

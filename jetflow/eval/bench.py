@@ -26,12 +26,13 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
               budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
               repeats: int = 1, cost_model: bool = True, interleave: bool = True,
-              refine: int | str = 1, int8_draft: bool | None = None) -> tuple[dict, int]:
+              refine: int | str = 1, int8_draft: bool | None = None, overwrite: bool = False) -> tuple[dict, int]:
     """Run ``methods`` on ``datasets`` at ``budgets`` into ``out`` (runs already there are reused).
     ``drafters``: checkpoint per head kind ("causal" may be "auto": the shipped one); only the kinds
     some method needs are loaded. ``interleave``: time a dataset's runs prompt by prompt (see
     eval/harness.py). Returns the summary line (out dir, run count, plot names) and the
-    number of outputs that differ from ar's (each reported on stderr)."""
+    number of outputs that differ from ar's (each reported on stderr). Runs stored in ``out`` with
+    other settings stop it before anything runs, unless ``overwrite``."""
     paths = dict(drafters)
     if paths.get("causal") == "auto":
         paths["causal"] = shipped_drafter(target.name)
@@ -60,7 +61,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
                                 if getattr(target, "linear_form", "standard") != "standard" else {}))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = run_benchmark(runner, methods, datasets, budgets, settings, out, interleave=interleave)
+    runs = run_benchmark(runner, methods, datasets, budgets, settings, out, interleave=interleave, overwrite=overwrite)
     costs, block = None, None
     if cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
         drafters_used = {kind: d.drafter for kind, d in runner.decoders.items()}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jetflow.errors import JetFlowError
 from jetflow.eval.bootstrap import speedup_interval
 from jetflow.eval.datasets import EvalPrompt
 from jetflow.eval.methods import MethodRunner, MethodSpec, reference_method
@@ -235,15 +236,47 @@ def report_mismatches(runs: list[dict], greedy: bool) -> int:
     return bad
 
 
+def stored_conflicts(plan: list[tuple[Path, dict]]) -> list[str]:
+    """For each (run file, key) this benchmark would write: a line naming the file and the settings
+    it was made with where a stored run there has other settings. Not conflicts: a damaged file, and
+    a run that differs only in its prompts' content (an edited prompt file: the stored run describes
+    prompts that no longer exist)."""
+    lines = []
+    for path, key in plan:
+        if not path.is_file():
+            continue
+        try:
+            stored = json.loads(path.read_text()).get("key")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if not isinstance(stored, dict):
+            continue
+        differ = sorted(k for k in key.keys() | stored.keys() if k != "prompt_ids" and stored.get(k) != key.get(k))
+        if differ:
+            lines.append(f"{path.name}: " + ", ".join(f"{k} {stored.get(k)!r} (now {key.get(k)!r})" for k in differ[:3]))
+    return lines
+
+
 def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
                   budgets: list[int], settings: BenchSettings, out_dir: Path, progress: bool = True,
-                  interleave: bool = True) -> list[dict]:
+                  interleave: bool = True, overwrite: bool = False) -> list[dict]:
     """All runs (ar first on each dataset), each saved to ``out_dir/runs/NAME.json`` and summarized.
     ``interleave``: a dataset's runs that are not stored yet are timed prompt by prompt
     (:func:`run_interleaved`) and saved when the dataset ends; otherwise one run after another, each
-    saved as it ends."""
+    saved as it ends. A stored run made with other settings is not replaced unless ``overwrite``:
+    JetFlowError (before anything runs) names them."""
     greedy = settings.temperature == 0
     main_ref = reference_method(runner.target)
+    if not overwrite:
+        conflicts = stored_conflicts([
+            (out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json",
+             settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)]))
+            for dataset, prompts in datasets.items() for spec in methods
+            for budget in (budgets if spec.tree else [None])])
+        if conflicts:
+            raise JetFlowError(f"{out_dir} holds {len(conflicts)} run(s) made with other settings, which this "
+                               "benchmark would replace: " + "; ".join(conflicts[:4])
+                               + ". Use another --out, or --overwrite to replace them.")
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     warmed: set[str] = set()
 

@@ -360,8 +360,16 @@ class DraftHead(nn.Module):
             check_compatible(config, target)
         head = cls(config)
         weights = Path(path) / "model.safetensors"
-        state = load_file(weights)
+        try:
+            state = load_file(weights)
+        except Exception as e:  # safetensors' own error type: truncated or not a safetensors file at all
+            raise DrafterMismatchError(f"{weights} is not a readable safetensors file: {e}") from None
         state.setdefault("feature_scale", head.feature_scale)  # checkpoints from before the scale existed
+        own = head.state_dict()
+        wrong = [f"{k} has shape {list(v.shape)}, its config needs {list(own[k].shape)}"
+                 for k, v in state.items() if k in own and v.shape != own[k].shape]
+        if wrong:
+            raise DrafterMismatchError(f"{weights} does not match its config: " + "; ".join(wrong[:4]))
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DrafterMismatchError(f"{weights} does not match its config: missing {missing[:4]}, "
@@ -378,7 +386,9 @@ def read_config(path: str | Path) -> DraftHeadConfig:
         raise DrafterMismatchError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
     try:
         return DraftHeadConfig.from_json(json.loads(cfg_file.read_text()))
-    except (KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: missing field {e}") from None
+    except (TypeError, ValueError) as e:
         raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
 
 
