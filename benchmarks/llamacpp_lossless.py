@@ -35,7 +35,7 @@ def main() -> int:
                     help="check only these prompt ids (e.g. gsm8k/6, from a bench's mismatch list; repeat)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--flash-attn", action="store_true")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="off", help="llama.cpp's attention kernel (default off)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -49,9 +49,10 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     gguf, name = locate_gguf(args.target)
-    target = LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, n_threads=args.threads, flash_attn=args.flash_attn)
+    target = LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, n_threads=args.threads,
+                            flash_attn=args.flash_attn == "on")
     jf = jetflow.JetFlow.from_pretrained(target, args.drafter)
-    llm = open_llama(gguf, n_threads=args.threads, flash_attn=args.flash_attn)
+    llm = open_llama(gguf, n_threads=args.threads, flash_attn=args.flash_attn == "on")
     budget = args.budget if args.budget == "auto" else int(args.budget)
 
     partial = args.out.with_suffix(".jsonl")

@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(None, backend="llamacpp", n_threads=args.threads)
-    llm = open_llama(target.gguf, n_ctx=target.max_context, n_threads=args.threads)
+    llm = open_llama(target.gguf, n_ctx=target.max_context, n_threads=args.threads, flash_attn=target.flash_attn)
     context = list(range(1000, 1000 + args.context))
 
     decode_s: list[float] = []

@@ -37,6 +37,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                         "else torch (training commands always use torch)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="llama.cpp threads (default: all cores)")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off",
+                   help="llama.cpp's fused attention kernel: faster decoding and long prompts, but outputs are no "
+                        "longer guaranteed identical to one-token decoding (its one-row and many-row kernels sum in "
+                        "different orders past 256 cached tokens); default off")
 
 
 def _add_data_arg(p: argparse.ArgumentParser) -> None:
@@ -76,7 +80,8 @@ def _load_jetflow(args):
     if drafter.lower() not in ("none", "auto") and not Path(drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
-                                   n_threads=args.threads, budget=args.budget, width=args.width,
+                                   n_threads=args.threads, flash_attn=args.flash_attn == "on",
+                                   budget=args.budget, width=args.width,
                                    lookup=not args.no_lookup, int8_draft=_int8_draft(args),
                                    auto_state=_auto_state_dir(args.auto_state))
 
@@ -515,7 +520,8 @@ def _load_jetflow_target(args, training: bool = False):
             raise JetFlowError(f"jetflow {args.command} runs on the torch backend (it needs the target's training "
                                "forwards); drop --backend llamacpp")
         backend = "torch"
-    return load_target(args.target, backend=backend, device=device, dtype=dtype, n_threads=args.threads)
+    return load_target(args.target, backend=backend, device=device, dtype=dtype, n_threads=args.threads,
+                       flash_attn=args.flash_attn == "on")
 
 
 def build_parser() -> argparse.ArgumentParser:

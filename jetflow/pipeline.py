@@ -103,13 +103,17 @@ class JetFlow:
     @classmethod
     def from_pretrained(cls, target: str | TargetBackend | None = None, drafter: str | Path | DraftHead | None = None,
                         *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                        backend: str = "auto", n_threads: int | None = None, **defaults) -> "JetFlow":
+                        backend: str = "auto", n_threads: int | None = None, flash_attn: bool = False,
+                        **defaults) -> "JetFlow":
         """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded target;
-        ``backend``: "torch", "llamacpp" (GGUF targets) or "auto" (see jetflow/models/loading.py).
+        ``backend``: "torch", "llamacpp" (GGUF targets) or "auto" (see jetflow/models/loading.py);
+        ``flash_attn``: llama.cpp's fused attention kernel (off by default: faster, but its one-row and
+        many-row kernels sum in different orders, so outputs may differ from one-token decoding).
         ``drafter``: a checkpoint directory, a DraftHead, None/"none" for plain decoding, or "auto":
         the drafter shipped with JetFlow for this target when there is one."""
         if target is None or isinstance(target, (str, Path)):
-            target = load_target(target, backend=backend, device=device, dtype=dtype, n_threads=n_threads)
+            target = load_target(target, backend=backend, device=device, dtype=dtype, n_threads=n_threads,
+                                 flash_attn=flash_attn)
         head, path = drafter, None
         if isinstance(drafter, str) and drafter.lower() == "auto":
             drafter = shipped_drafter(target.name)

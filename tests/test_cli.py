@@ -406,3 +406,17 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(widen[:-1] + [str(tmp_path / "cal")]) == 2 and "new directory" in capsys.readouterr().err
     assert main(widen[:-3] + ["30", "--out", str(tmp_path / "narrow")]) == 2
     assert "only grows" in capsys.readouterr().err and not (tmp_path / "narrow").exists()
+
+
+def test_flash_attention_is_off_unless_asked_for(tiny_dir, monkeypatch, capsys):
+    import jetflow.pipeline as pipeline
+
+    seen = []
+    real = pipeline.load_target
+    monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: seen.append(k["flash_attn"]) or real(*a, **k))
+    for extra in ([], ["--flash-attn", "on"], ["--flash-attn", "off"]):
+        assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", "none", "--max-new-tokens", "2",
+                     "--json", *extra]) == 0
+    assert seen == [False, True, False]
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--flash-attn", "yes"])

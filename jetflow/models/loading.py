@@ -33,8 +33,9 @@ def choose_backend(spec: str | None, backend: str, device: str | torch.device = 
 
 def load_target(spec: str | None = None, *, backend: str = "auto", device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, tapped_layers: Sequence[int] | None = None,
-                n_threads: int | None = None) -> TargetBackend:
-    """A target for any spec :func:`jetflow.resolve_model` accepts, on ``backend``."""
+                n_threads: int | None = None, flash_attn: bool = False) -> TargetBackend:
+    """A target for any spec :func:`jetflow.resolve_model` accepts, on ``backend``. ``flash_attn``:
+    llama.cpp's fused attention kernel (llama.cpp backend only; off by default: see README, Backends)."""
     from jetflow.models.resolve import locate_gguf
 
     chosen = choose_backend(spec, backend, device)
@@ -52,4 +53,5 @@ def load_target(spec: str | None = None, *, backend: str = "auto", device: str |
     from jetflow.models.gguf_meta import gguf_tokenizer
     from jetflow.models.llamacpp_target import LlamaCppTarget
 
-    return LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, tapped_layers=tapped_layers, n_threads=n_threads)
+    return LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, tapped_layers=tapped_layers, n_threads=n_threads,
+                          flash_attn=flash_attn)
