@@ -1,6 +1,8 @@
 """A `jetflow bench` run on llama.cpp, summed per set by whether `auto`'s request read the head's
 features: seconds, prefill seconds and tokens/s of `llama-ar`, `ar` and `auto` on the same requests.
-Featureless requests decode plainly (or with lookup chains), so they compare the loops alone.
+Featureless requests decode plainly (or with lookup chains), so they compare the loops alone; for
+them also the lookup-chain rounds: how many, their mean nodes and the tokens each emitted (a chain
+of n nodes pays where it emits more than c(n + 1) / c(1) tokens).
 
     python benchmarks/split_by_features.py docs/results/headline_llamacpp_v13
 """
@@ -28,6 +30,12 @@ def main() -> int:
         for key, record in runs["auto"].items():
             features = bool(record["features"])
             kinds.update(record["round_kinds"] or {})
+            if not features and record["accept_lengths"]:  # every round emitted 1 token but the chains'
+                rounds = record["accept_lengths"]
+                chains = (record["round_kinds"] or {}).get("lookup", 0)
+                sums["chains"] += chains
+                sums["chain_nodes"] += record["mean_tree_size"] * len(rounds)
+                sums["chain_tokens"] += sum(rounds) - (len(rounds) - chains)
             sums[features, "requests"] += 1
             for name, run in runs.items():
                 sums[features, name, "s"] += run[key]["seconds"]
@@ -40,6 +48,10 @@ def main() -> int:
                       + "; ".join(f"{n} {sums[features, n, 'tokens'] / sums[features, n, 's']:.2f} tok/s, "
                                   f"{sums[features, n, 's']:.2f} s (prefill {sums[features, n, 'prefill']:.2f} s)"
                                   for n in runs))
+        if sums["chains"]:
+            print(f"  lookup-chain rounds without features: {int(sums['chains'])}, "
+                  f"{sums['chain_nodes'] / sums['chains']:.2f} nodes and {sums['chain_tokens'] / sums['chains']:.2f} "
+                  f"tokens each")
     return 0
 
 
