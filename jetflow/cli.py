@@ -830,6 +830,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "flash_attn", "off") == "on" and getattr(args, "backend", "auto") != "torch":
+        print("jetflow: note: --flash-attn on: llama.cpp's fused attention sums in other orders for one row and "
+              "for many, so outputs are no longer guaranteed identical to one-token decoding (README, Backends)",
+              file=sys.stderr)
     try:
         return args.func(args)
     except JetFlowError as e:

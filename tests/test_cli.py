@@ -418,5 +418,6 @@ def test_flash_attention_is_off_unless_asked_for(tiny_dir, monkeypatch, capsys):
         assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", "none", "--max-new-tokens", "2",
                      "--json", *extra]) == 0
     assert seen == [False, True, False]
+    assert capsys.readouterr().err.count("--flash-attn on: llama.cpp's fused attention") == 1  # said when on
     with pytest.raises(SystemExit):
         main(["generate", "x", "--flash-attn", "yes"])
