@@ -11,3 +11,7 @@ class ModelResolutionError(JetFlowError):
 
 class InvalidRequestError(JetFlowError, ValueError):
     """Bad generation input: empty prompt, prompt too long, sampling parameters out of range, ..."""
+
+
+class RequestSupersededError(JetFlowError):
+    """A stream of a JetFlow was resumed after a newer request had started on it."""

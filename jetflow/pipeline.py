@@ -5,19 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from jetflow.decoding.api import prepare_request
+from jetflow.decoding.api import check_request_options, prepare_request
 from jetflow.decoding.autoregressive import autoregressive_stream
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, cached_costs
 from jetflow.decoding.drafter import Drafter, make_drafter
 from jetflow.decoding.result import GenerationResult
 from jetflow.decoding.speculative import speculative_stream
-from jetflow.errors import InvalidRequestError
+from jetflow.errors import InvalidRequestError, RequestSupersededError
 from jetflow.models.backend import TargetBackend
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
@@ -66,6 +67,11 @@ class JetFlow:
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
         self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"
         self._adaptive: AdaptiveBudget | None = None
+        # One request at a time: every request shares the target's KV cache and the drafter's
+        # context. A lock keeps two threads' steps from running at once (two llama.cpp decodes at
+        # once abort the process), and a newer request makes older streams refuse to go on.
+        self._lock = threading.Lock()
+        self._requests = 0
 
     def adaptive_budget(self) -> AdaptiveBudget:
         """The budget chooser of ``budget="auto"``: made on first use from the machine's cost curve
@@ -134,13 +140,36 @@ class JetFlow:
         Request keywords: max_new_tokens, temperature, top_k, top_p, seed, stop, chat."""
         budget, width = _check_tree_args(self.budget if budget is None else budget,
                                          self.width if width is None else width)
+        check_request_options(request)
         prompt_ids, params, output = prepare_request(self.target, prompt, **request)
+        with self._lock:
+            if budget == "auto" and self.drafter is not None:
+                budget = self.adaptive_budget()
+            self._requests += 1
+            ticket = self._requests
         if self.drafter is None:
-            return autoregressive_stream(self.target, prompt_ids, params, output)
-        if budget == "auto":
-            budget = self.adaptive_budget()
-        events = speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
-        return self._saving_auto_state(events) if isinstance(budget, AdaptiveBudget) and self._state_path else events
+            events = autoregressive_stream(self.target, prompt_ids, params, output)
+        else:
+            events = speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
+            if isinstance(budget, AdaptiveBudget) and self._state_path:
+                events = self._saving_auto_state(events)
+        return self._one_at_a_time(events, ticket)
+
+    def _one_at_a_time(self, events: Iterator[str | GenerationResult], ticket: int) -> Iterator[str | GenerationResult]:
+        """``events``, each step taken under the lock, and refused once a newer request has started
+        (the state it would go on from is no longer its own)."""
+        while True:
+            with self._lock:
+                if ticket != self._requests:
+                    raise RequestSupersededError(
+                        "this stream was superseded: a newer request started on the same JetFlow, which runs one "
+                        "request at a time (finish a stream before starting the next; for concurrent requests use "
+                        "one JetFlow per thread, or `jetflow serve`)")
+                try:
+                    event = next(events)
+                except StopIteration:
+                    return
+            yield event
 
     def generate(self, prompt, *, stream: bool = False, **kwargs):
         """A :class:`GenerationResult`, or with ``stream=True`` the iterator of :meth:`stream`."""

@@ -75,8 +75,12 @@ def test_seeds_span_torchs_range_and_tiny_temperatures_decode_greedily():
 def test_unpaired_surrogates_are_refused_with_a_clear_error(tokenizer):
     from jetflow.decoding.prompt import encode_prompt
 
-    with pytest.raises(InvalidRequestError, match="not valid Unicode: an unpaired surrogate"):
+    with pytest.raises(InvalidRequestError, match="the prompt is not valid Unicode: an unpaired surrogate"):
         encode_prompt(tokenizer, "hi \ud83d", chat=False)
+    with pytest.raises(InvalidRequestError, match="message 1's content is not valid Unicode"):
+        encode_prompt(tokenizer, [{"role": "system", "content": "x"}, {"role": "user", "content": "hi \ud83d"}])
+    with pytest.raises(InvalidRequestError, match="chat messages need chat=True .got chat=False."):
+        encode_prompt(tokenizer, [{"role": "user", "content": "hi"}], chat=False)
     assert encode_prompt(tokenizer, "hi \U0001F600", chat=False)  # the pair itself is fine
 
 

@@ -179,3 +179,47 @@ def test_sampling_matches_target_distribution(small_target, temperature, top_p, 
     broken = sample_pairs(small_target, drafter, temperature, top_p, "spec", N_BROKEN)
     ok, stat, limit = chi_square_passes(broken, probs, N_BROKEN)
     assert not ok, f"broken acceptance rule went unnoticed: chi2={stat:.1f} <= {limit:.1f}"
+
+
+def test_one_request_at_a_time_per_jetflow(target):
+    """A newer request makes an older, unfinished stream refuse to go on (it would continue from the
+    newer request's state); two threads never decode at once; each finished output is the target's."""
+    import threading
+
+    from jetflow.errors import RequestSupersededError
+
+    jf = random_jetflow(target, budget=8)
+    want = {p: jetflow.generate(target, list(p), max_new_tokens=12).token_ids for p in ((5, 6, 7), (8, 9, 10, 11))}
+    old = jf.stream([5, 6, 7], max_new_tokens=12)
+    next(old)
+    assert jf.generate([8, 9, 10, 11], max_new_tokens=12).token_ids == want[(8, 9, 10, 11)]
+    with pytest.raises(RequestSupersededError, match="a newer request started on the same JetFlow"):
+        next(old)
+    outcomes = []
+
+    def request(prompt):
+        try:
+            outcomes.append(("ok", prompt, jf.generate(list(prompt), max_new_tokens=12).token_ids))
+        except RequestSupersededError:
+            outcomes.append(("superseded", prompt, None))
+
+    threads = [threading.Thread(target=request, args=(p,)) for p in want for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 6 and any(kind == "ok" for kind, _, _ in outcomes)
+    assert all(ids == want[p] for kind, p, ids in outcomes if kind == "ok")
+
+
+def test_request_options_are_checked_by_name(target):
+    from jetflow.errors import InvalidRequestError
+
+    jf = random_jetflow(target, budget=8)
+    assert jf.generate(PROMPT, max_new_tokens=4, stop=None).new_tokens == 4  # None: no stop strings
+    with pytest.raises(InvalidRequestError, match="unknown request option.s. max_tokens; the options are max_new_tokens"):
+        jf.generate(PROMPT, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="unknown request option"):
+        jetflow.generate(target, PROMPT, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="expected a loaded target, got the name 'smollm2-135m-instruct'"):
+        jetflow.generate("smollm2-135m-instruct", "hi")

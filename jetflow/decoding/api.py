@@ -6,6 +6,7 @@ speculative decoder on top of the same request handling.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 from jetflow.decoding.autoregressive import autoregressive_stream
@@ -17,6 +18,9 @@ from jetflow.errors import InvalidRequestError
 from jetflow.models.backend import TargetBackend
 
 
+REQUEST_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat")
+
+
 def prepare_request(
     target: TargetBackend,
     prompt: str | list[dict] | list[int],
@@ -26,14 +30,17 @@ def prepare_request(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: Sequence[str] | str = (),
+    stop: Sequence[str] | str | None = (),
     chat: bool | None = None,
 ) -> tuple[list[int], SamplingParams, OutputStream]:
     """Validate a request and turn it into prompt ids, sampling parameters and an output stream.
 
     ``prompt`` is text (chat template applied when the model has one, unless ``chat=False``), a list
-    of chat messages, or a list of token ids used as is.
+    of chat messages, or a list of token ids used as is. ``stop``: a string, several, or None.
     """
+    if isinstance(target, (str, os.PathLike)):
+        raise InvalidRequestError(f"expected a loaded target, got the name {str(target)!r}: load it with "
+                                  "jetflow.load_target(name), or use jetflow.JetFlow.from_pretrained(name)")
     params = SamplingParams(temperature, top_k, top_p, seed)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompt_ids = list(prompt)
@@ -49,14 +56,23 @@ def prepare_request(
         target.tokenizer,
         max_new_tokens=max_new_tokens,
         stop_token_ids=target.stop_token_ids(),
-        stop_strings=[stop] if isinstance(stop, str) else list(stop),
+        stop_strings=[] if stop is None else [stop] if isinstance(stop, str) else list(stop),
     )
     return prompt_ids, params, output
+
+
+def check_request_options(request: dict) -> None:
+    """InvalidRequestError naming any keyword that is not a request option."""
+    unknown = sorted(set(request) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise InvalidRequestError(f"unknown request option(s) {', '.join(unknown)}; the options are "
+                                  f"{', '.join(REQUEST_OPTIONS)}")
 
 
 def stream(target: TargetBackend, prompt, **request) -> Iterator[str | GenerationResult]:
     """Autoregressive decoding: yield text deltas, then one :class:`GenerationResult`.
     Keyword arguments as in :func:`prepare_request`."""
+    check_request_options(request)
     prompt_ids, params, output = prepare_request(target, prompt, **request)
     return autoregressive_stream(target, prompt_ids, params, output)
 

@@ -33,9 +33,12 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None)
             raise InvalidRequestError("empty prompt")
     elif not messages:
         raise InvalidRequestError("messages must not be empty")
+    if messages is None:
+        check_unicode(prompt, "the prompt")
     use_chat = has_chat_template(tokenizer) if chat is None else chat
     if messages is not None and not use_chat:
-        raise InvalidRequestError("chat messages need a tokenizer with a chat template")
+        raise InvalidRequestError("chat messages need chat=True (got chat=False)" if chat is False
+                                  else "chat messages need a tokenizer with a chat template")
     if use_chat:
         if not has_chat_template(tokenizer):
             raise InvalidRequestError("this model's tokenizer has no chat template; use chat=False / --no-chat")
@@ -47,7 +50,6 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None)
             check_unicode(m["content"], f"message {i}'s content")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    check_unicode(prompt, "the prompt")
     return list(tokenizer(prompt)["input_ids"])
 
 

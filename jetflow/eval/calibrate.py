@@ -71,7 +71,7 @@ def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration, out:
     src = Path(drafter_dir)
     config = json.loads((src / "config.json").read_text())
     config["tree_calibration"] = calibration.to_json()
-    with replace_directory(Path(out)) as tmp:
+    with replace_directory(Path(out), [f.name for f in src.iterdir()]) as tmp:
         for f in src.iterdir():
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)

@@ -146,7 +146,7 @@ def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch
     cfg = vllm_config(head.config, dtype)
     state = vllm_state_dict(head, dtype, lm_head)
     validate(cfg, state)
-    with replace_directory(Path(out)) as tmp:
+    with replace_directory(Path(out), ("config.json", "model.safetensors")) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     validate(json.loads((Path(out) / "config.json").read_text()), load_file(Path(out) / "model.safetensors"))

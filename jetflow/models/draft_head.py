@@ -30,6 +30,9 @@ HEAD_KINDS = ("block", "eagle3")  # block: JetFlow/DFlash parallel head; eagle3:
 ARCHITECTURES = {"block": "JetFlowDraftModel", "eagle3": "JetFlowEagle3Model"}
 
 
+CHECKPOINT_FILES = ("config.json", "model.safetensors")  # what save_pretrained writes (and may replace)
+
+
 class DrafterMismatchError(JetFlowError):
     """A drafter checkpoint does not fit the target (or is not a drafter checkpoint at all)."""
 
@@ -338,7 +341,7 @@ class DraftHead(nn.Module):
         path = Path(path)
         state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
                  for k, v in self.state_dict().items()}
-        with replace_directory(path) as tmp:
+        with replace_directory(path, CHECKPOINT_FILES) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         return path

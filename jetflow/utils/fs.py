@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+
+from jetflow.errors import JetFlowError
 
 
 def cache_root() -> Path:
@@ -41,11 +43,20 @@ def atomic_directory(final: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def replace_directory(final: Path) -> Iterator[Path]:
+def replace_directory(final: Path, replaceable: Collection[str] | None = None) -> Iterator[Path]:
     """Like :func:`atomic_directory`, but a completed block replaces an existing ``final`` (for
     checkpoints that are rewritten as training goes on). The old copy is removed only after the new
-    one is in place."""
-    final = Path(final)
+    one is in place. ``replaceable``: the only entries an existing ``final`` may hold (what the
+    writer writes): a directory holding anything else, or a file, is refused (JetFlowError) before
+    the block runs, so a mistyped ``--out`` never deletes a user's files."""
+    final = Path(final).resolve()  # (so that "." has a name to stage next to)
+    if replaceable is not None and final.exists():
+        if not final.is_dir():
+            raise JetFlowError(f"{final} is a file, not a directory")
+        other = sorted(e.name for e in final.iterdir() if e.name not in replaceable)
+        if other:
+            raise JetFlowError(f"{final} holds other files ({', '.join(other[:4])}{', ...' if len(other) > 4 else ''}); "
+                               "refusing to replace it: choose a new or empty directory")
     staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
     with atomic_directory(staged) as tmp:
         yield tmp
