@@ -264,6 +264,7 @@ def cmd_regenerate(args) -> int:
     prompts = load_prompts(args.prompts, num=args.num, seed=args.seed, mix=mix, exclude=exclude)
     if not prompts:
         raise JetFlowError(f"no prompts loaded from {args.prompts!r}")
+    _writable_dir(str(args.out), "--out")
     target = _load_jetflow_target(args)  # either backend: regeneration only generates
     manifest = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           shard_size=args.shard_size, temperature=args.temperature, seed=args.seed,
@@ -289,7 +290,12 @@ def cmd_train(args) -> int:
                          embed_norm=args.embed_norm, reveal=args.reveal, slot_token_gain=args.slot_token_gain,
                          shift_tokens=args.shift_tokens, path_projection=args.path_projection, amp=args.amp,
                          max_seconds=args.max_seconds, pack_sequences=args.pack_sequences)
+    from jetflow.models.draft_head import CHECKPOINT_FILES
+    from jetflow.utils.fs import check_replaceable
+
     fractions = _fractions(args.snapshot_at)
+    _writable_dir(str(args.out), "--out")
+    check_replaceable(Path(args.out) / "drafter", CHECKPOINT_FILES)  # where the head goes: refused now, not after training
     init_distributed()
     target = _load_jetflow_target(args, training=True)
     result = train_drafter(target, args.data, args.out, config, init_from=args.init_from,
@@ -324,6 +330,7 @@ def cmd_cache_teacher(args) -> int:
     from jetflow.training.teacher_cache import build_teacher_cache
     from jetflow.training.trainer import data_label, load_sequences
 
+    _writable_dir(str(args.out), "--out")
     target = _load_jetflow_target(args, training=True)
     if args.layers:
         target.set_tapped_layers(_int_list(args.layers, "--layers"))
@@ -339,6 +346,9 @@ def cmd_cache_teacher(args) -> int:
 def cmd_data_stats(args) -> int:
     from jetflow.data.stats import data_stats, format_stats
 
+    seen = [Path(d).resolve() for d in args.data]
+    if len(set(seen)) < len(seen):
+        raise JetFlowError(f"a data directory is given twice: {next(d for d in args.data if seen.count(Path(d).resolve()) > 1)}")
     stats = data_stats(args.data, long_answer=args.long_answer, drafters=[Path(d) for d in args.drafter])
     print(json.dumps(stats) if args.json else format_stats(stats))
     return 0
@@ -400,6 +410,9 @@ def cmd_draft_vocab(args) -> int:
         raise JetFlowError("--out must be a new directory (the widened head drops the tree calibration; "
                            "run `jetflow calibrate --out` on it afterwards)")
     target = _load_jetflow_target(args, training=True)
+    if args.size > target.vocab_size:
+        raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "
+                           f"(0: the whole vocabulary), got {args.size}")
     report = widen_drafter_vocab(target, args.drafter, args.data, args.size, args.out, seed=args.seed)
     print(json.dumps(report))
     return 0

@@ -421,3 +421,25 @@ def test_flash_attention_is_off_unless_asked_for(tiny_dir, monkeypatch, capsys):
     assert capsys.readouterr().err.count("--flash-attn on: llama.cpp's fused attention") == 1  # said when on
     with pytest.raises(SystemExit):
         main(["generate", "x", "--flash-attn", "yes"])
+
+
+def test_pipeline_commands_refuse_a_bad_out_before_loading(tiny_dir, tiny_drafter, tmp_path, capsys):
+    kept = tmp_path / "a-file"
+    kept.write_text("keep me")
+    (tmp_path / "run" / "drafter").mkdir(parents=True)
+    (tmp_path / "run" / "drafter" / "mine.txt").write_text("mine")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    for args, message in (
+            (["regenerate", "--prompts", str(prompts), "--out", str(kept)], "is a file, not a directory"),
+            (["cache-teacher", "--data", str(tmp_path), "--out", str(kept)], "is a file, not a directory"),
+            (["train", "--data", str(tmp_path), "--out", str(kept)], "is a file, not a directory"),
+            (["train", "--data", str(tmp_path), "--out", str(tmp_path / "run")], "holds other files (mine.txt)")):
+        assert main([args[0], "--target", "/no/such/model", *args[1:]]) == 2, args  # refused before loading
+        assert message in capsys.readouterr().err
+    assert kept.read_text() == "keep me" and (tmp_path / "run" / "drafter" / "mine.txt").read_text() == "mine"
+    assert main(["data-stats", "--data", str(tmp_path), "--data", str(tmp_path)]) == 2
+    assert "a data directory is given twice" in capsys.readouterr().err
+    assert main(["draft-vocab", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--data", str(tmp_path),
+                 "--size", "100000", "--out", str(tmp_path / "wide")]) == 2
+    assert "--size must be at most the target's vocabulary" in capsys.readouterr().err

@@ -110,6 +110,13 @@ def test_cache_refuses_other_data_and_other_layers(target, tmp_path):
         TeacherCache(tmp_path, changed, target, [0, 2])
     with pytest.raises(JetFlowError, match="other settings"):
         build_teacher_cache(target, seqs, tmp_path, top_k=8, sequences_per_part=2, progress=False)
+    # other data into the same directory is refused, the cache kept; more data extends it
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(JetFlowError, match=r"holds a teacher cache for other sequences .*2 part\(s\) differ"):
+        build_teacher_cache(target, changed, tmp_path, top_k=4, sequences_per_part=2, progress=False)
+    assert before == {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    more = seqs + [Sequence("extra", seqs[0].token_ids[::-1], seqs[0].prompt_len)]
+    assert build_teacher_cache(target, more, tmp_path, top_k=4, sequences_per_part=2, progress=False)["complete"]
     with pytest.raises(JetFlowError, match="manifest"):
         TeacherCache(tmp_path / "nothing", seqs, target, [0, 2])
 

@@ -60,11 +60,15 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(target, data, tmp_path
     straight = Trainer(target, seqs, tmp_path / "a", cfg)
     straight.fit(log=lambda r: None)
     interrupted = Trainer(target, seqs, tmp_path / "b", cfg)
-    interrupted.fit(max_steps=3, log=lambda r: None)  # "killed" after the step-3 checkpoint
+    interrupted.fit(max_steps=3, log=lambda r: None)  # "killed" after the step-3 checkpoint ...
+    with open(tmp_path / "b" / "train_log.jsonl", "a") as f:  # ... and one logged step later
+        f.write(json.dumps({"step": 4, "loss": 1.0}) + "\n")
     resumed = Trainer(target, seqs, tmp_path / "b", cfg)
     assert resumed.resume() and resumed.step == 3
     resumed.fit(log=lambda r: None)
     assert resumed.step == straight.step
+    logged = [json.loads(line)["step"] for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, straight.step + 1))  # step 4, trained twice, logged once
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
     with pytest.raises(JetFlowError, match="other settings"):

@@ -92,6 +92,14 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
         if {k: old.get(k) for k in settings if k != "source"} != {k: v for k, v in settings.items() if k != "source"}:
             raise JetFlowError(f"{out} holds a teacher cache with other settings (target, tapped layers, top_k "
                                f"or part size); use a new output directory")
+        # A cache may be completed or extended (more data directories: a partial last part grows),
+        # never rebuilt for other data.
+        other = [index for index, part in enumerate(parts)
+                 if (done := old.get("parts", {}).get(_part_path(out, index).name)) is not None
+                 and done.get("digest") != tokens_digest(part[:done.get("sequences", len(part))])]
+        if other:
+            raise JetFlowError(f"{out} holds a teacher cache for other sequences ({old.get('source') or 'other data'}; "
+                               f"{len(other)} part(s) differ); use a new output directory")
         manifest["parts"] = old.get("parts", {})
         manifest["wall_seconds"] = old.get("wall_seconds", 0.0)
     bar = tqdm(total=sum(len(s.token_ids) for s in sequences), desc="teacher cache", unit="tok", unit_scale=True,

@@ -31,7 +31,7 @@ from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
 from jetflow.training.teacher_cache import TeacherCache, tokens_digest
-from jetflow.utils.fs import replace_directory
+from jetflow.utils.fs import replace_directory, write_text_atomic
 
 # Head kind -> the loss of each sequence of a micro-batch (the block head drafts all depths at once;
 # the EAGLE head is unrolled).
@@ -364,6 +364,10 @@ class Trainer:
         self._bind_vocab()
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed = state["step"], state.get("elapsed", 0.0)
+        log_file = self.out / "train_log.jsonl"
+        if self.rank == 0 and log_file.is_file():  # steps past the checkpoint are trained again: log them once
+            kept = [line for line in log_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            write_text_atomic(log_file, "".join(line + "\n" for line in kept))
         return True
 
     def out_of_time(self) -> bool:

@@ -50,13 +50,8 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
     writer writes): a directory holding anything else, or a file, is refused (JetFlowError) before
     the block runs, so a mistyped ``--out`` never deletes a user's files."""
     final = Path(final).resolve()  # (so that "." has a name to stage next to)
-    if replaceable is not None and final.exists():
-        if not final.is_dir():
-            raise JetFlowError(f"{final} is a file, not a directory")
-        other = sorted(e.name for e in final.iterdir() if e.name not in replaceable)
-        if other:
-            raise JetFlowError(f"{final} holds other files ({', '.join(other[:4])}{', ...' if len(other) > 4 else ''}); "
-                               "refusing to replace it: choose a new or empty directory")
+    if replaceable is not None:
+        check_replaceable(final, replaceable)
     staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
     with atomic_directory(staged) as tmp:
         yield tmp
@@ -64,6 +59,20 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
         final.rename(old)
     staged.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_replaceable(final: Path, replaceable: Collection[str]) -> None:
+    """JetFlowError unless ``final`` is missing, or a directory holding only ``replaceable`` entries
+    (what :func:`replace_directory` may then replace); run it before a long job that ends in one."""
+    final = Path(final)
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise JetFlowError(f"{final} is a file, not a directory")
+    other = sorted(e.name for e in final.iterdir() if e.name not in replaceable)
+    if other:
+        raise JetFlowError(f"{final} holds other files ({', '.join(other[:4])}{', ...' if len(other) > 4 else ''}); "
+                           "refusing to replace it: choose a new or empty directory")
 
 
 def file_digest(path: Path) -> str:
@@ -77,10 +86,15 @@ def file_digest(path: Path) -> str:
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write a JSON file so readers see the old or the new content, never a torn one."""
+    write_text_atomic(path, json.dumps(obj, indent=2))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file so readers see the old or the new content, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.write_text(text)
     tmp.replace(path)
 
 
