@@ -346,9 +346,6 @@ def cmd_cache_teacher(args) -> int:
 def cmd_data_stats(args) -> int:
     from jetflow.data.stats import data_stats, format_stats
 
-    seen = [Path(d).resolve() for d in args.data]
-    if len(set(seen)) < len(seen):
-        raise JetFlowError(f"a data directory is given twice: {next(d for d in args.data if seen.count(Path(d).resolve()) > 1)}")
     stats = data_stats(args.data, long_answer=args.long_answer, drafters=[Path(d) for d in args.drafter])
     print(json.dumps(stats) if args.json else format_stats(stats))
     return 0

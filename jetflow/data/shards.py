@@ -54,5 +54,11 @@ def read_shard(path: Path) -> list[Sequence]:
             for i in range(len(prompt_lens))]
 
 
+def check_distinct(dirs: list[Path]) -> None:
+    """JetFlowError when a data directory is given twice (its sequences would count twice)."""
+    if len({Path(d).resolve() for d in dirs}) < len(dirs):
+        raise JetFlowError(f"a data directory is given twice: {', '.join(map(str, dirs))}")
+
+
 def list_shards(data_dir: Path) -> list[Path]:
     return sorted(Path(data_dir).glob("shard-[0-9][0-9][0-9][0-9][0-9].npz"))

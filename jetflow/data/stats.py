@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jetflow.data.shards import list_shards, read_shard
+from jetflow.data.shards import check_distinct, list_shards, read_shard
 from jetflow.errors import JetFlowError
 
 
@@ -35,6 +35,7 @@ def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = 
     vocabs = {str(d): draft_vocabulary(d) for d in drafters}
     covered = {name: Counter() for name in vocabs}
     per_dir = {}
+    check_distinct(dirs)
     for d in dirs:
         shards = list_shards(d)
         if not shards:

@@ -15,8 +15,7 @@ def check_unicode(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{what} is not valid Unicode: an unpaired surrogate "
-                                  f"{text[e.start]!r} at character {e.start}") from None
+        raise InvalidRequestError(f"{what} is not valid Unicode: an unpaired surrogate at character {e.start}") from None
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None) -> list[int]:

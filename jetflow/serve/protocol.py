@@ -10,7 +10,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from jetflow.decoding.prompt import check_unicode
 from jetflow.decoding.sampling import SEED_RANGE
+from jetflow.errors import InvalidRequestError
 from jetflow.serve.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -75,11 +77,11 @@ def _integer(body: dict, name: str, low: int | None = None, high: int | None = N
 
 
 def _text(value: str, name: str, param: str) -> str:
-    """``value``, refused when it holds an unpaired UTF-16 surrogate (valid JSON, not valid Unicode)."""
+    """``value``, refused (400 naming ``param``) when it holds an unpaired UTF-16 surrogate."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad_request(f"{name} is not valid Unicode: an unpaired surrogate at character {e.start}", param) from None
+        check_unicode(value, name)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param) from None
     return value
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from jetflow.data.shards import Sequence, list_shards, read_shard
+from jetflow.data.shards import Sequence, check_distinct, list_shards, read_shard
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import new_head
 from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig
@@ -147,8 +147,7 @@ def load_sequences(data: str | Path | list[str | Path], target: TargetModel,
     dirs = data_dirs(data)
     if not dirs:
         raise JetFlowError("no regenerated data directory given")
-    if len(set(d.resolve() for d in dirs)) < len(dirs):
-        raise JetFlowError(f"a data directory is given twice: {', '.join(map(str, dirs))}")
+    check_distinct(dirs)
     sequences = [s for d in dirs for s in _directory_sequences(d, target)]
     if max_sequences is None:
         return sequences
