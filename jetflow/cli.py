@@ -38,9 +38,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="llama.cpp threads (default: all cores)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off",
-                   help="llama.cpp's fused attention kernel: faster decoding and long prompts, but outputs are no "
-                        "longer guaranteed identical to one-token decoding (its one-row and many-row kernels sum in "
-                        "different orders past 256 cached tokens); default off")
+                   help="llama.cpp's fused attention kernel: faster decoding, but outputs are no longer guaranteed "
+                        "identical to one-token decoding (its one-row and many-row kernels sum in different orders "
+                        "once 512 cache cells are in view or 64 rows are decoded); default off")
 
 
 def _add_data_arg(p: argparse.ArgumentParser) -> None:
