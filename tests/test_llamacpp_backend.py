@@ -54,7 +54,9 @@ def test_path_sequence_ids_give_the_tree_mask(seed):
 
 
 def test_lookup_match_equals_brute_force():
-    from jetflow.decoding.lookup_drafter import lookup_continuation, lookup_match
+    """The latest earlier occurrence of the longest suffix n-gram, its continuation, and how far back
+    the text before it agrees with the suffix (at most MAX_MATCH): compared window by window."""
+    from jetflow.decoding.lookup_drafter import MAX_MATCH, lookup_continuation, lookup_match
 
     rng = np.random.default_rng(0)
     for _ in range(2000):
@@ -65,7 +67,10 @@ def test_lookup_match_equals_brute_force():
             suffix = hist[hist.size - n:].tolist()
             starts = [i for i in range(hist.size - n) if hist[i:i + n].tolist() == suffix]
             if starts:
-                want = (n, hist[starts[-1] + n:starts[-1] + n + max_draft].tolist())
+                s = starts[-1]
+                length = max(k for k in range(n, min(s + n, MAX_MATCH) + 1)
+                             if hist[s + n - k:s + n].tolist() == hist[hist.size - k:].tolist())
+                want = (length, hist[s + n:s + n + max_draft].tolist())
                 break
         assert lookup_match(hist, max_ngram, max_draft) == want, (hist.tolist(), max_ngram, max_draft)
         assert lookup_continuation(hist, max_ngram, max_draft) == want[1]

@@ -6,8 +6,9 @@ head's best-first tree and the lookup chain (the tokens that followed the latest
 the context's last n-gram) are merged into one tree: candidates of both are taken in order of their
 estimated probability of being accepted, ``P(node) = P(parent) * q``, where q is the head's own
 probability for head nodes and, for lookup nodes, the measured rate at which the target accepted a
-lookup token at that depth after a match of that n-gram length (running counts, starting from a
-uniform prior). A token both propose becomes one node. Acceptance never looks at q, so the merged
+lookup token at that depth after a match of about that length (how far back the context agreed
+with the text before the copied tokens; running counts, starting from a uniform prior, and for
+each request shrunk from the counts of all towards its own). A token both propose becomes one node. Acceptance never looks at q, so the merged
 tree is verified as losslessly as any other; q only decides which nodes the budget buys.
 """
 
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_right
 
 import numpy as np
 import torch
 
-from jetflow.decoding.lookup_drafter import MAX_NGRAM, LookupIndex
+from jetflow.decoding.lookup_drafter import MAX_MATCH, MAX_NGRAM, LookupIndex
 from jetflow.tree.build import DraftTree
 
 # Longer than plain lookup's 10 tokens: a merged chain only gets the nodes its calibrated value buys,
@@ -32,6 +34,17 @@ LOOKUP_WINDOW = 200  # trials per calibration cell a decoder remembers (LookupCa
 # calibration, and with it the price of every chain offered after it, so counting each round made
 # `auto` re-derive rates and prices every round (work done between two decodes, with cold caches).
 FOLLOW_EVERY = 16
+# Pseudo-trials at the pooled rate behind a request's own lookup counts (RequestCalibration).
+REQUEST_PRIOR = 8.0
+# A chain's calibration row: by its match length (lookup_drafter.matched_length), one row per length
+# up to 7, then 8-11, 12-19 and 20 (MAX_MATCH); row 0 is no match.
+MATCH_ROW_STARTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, MAX_MATCH)
+MATCH_ROWS = len(MATCH_ROW_STARTS) + 1
+
+
+def match_row(length: int) -> int:
+    """The calibration row of a chain whose match is ``length`` tokens long."""
+    return bisect_right(MATCH_ROW_STARTS, length)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -45,13 +58,20 @@ def log_probs(q) -> list[float]:
     return [(log(x) if x < 1.0 else 0.0) if x > 1e-9 else floor for x in q]
 
 
+def less_one_error(points: list[float], variances: list[float]) -> list[float]:
+    """Each estimate less one standard error, floored at 0."""
+    sqrt = math.sqrt
+    return [max(0.0, p - sqrt(v)) for p, v in zip(points, variances)]
+
+
 def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
     """How many leading tokens of ``chain`` the accepted ``path`` (root first) of ``tree`` took."""
     return common_prefix(chain, [tree.tokens[n] for n in path[1:]])
 
 
 class LookupCalibration:
-    """P(target accepts the lookup token at depth d | it accepted the one before), per match length.
+    """P(target accepts the lookup token at depth d | it accepted the one before), per row (a range
+    of match lengths, :func:`match_row`).
 
     Counts are shrunk towards the previous depth's rate (``prior`` pseudo-trials; depth 1 towards
     one half), not towards a constant: deep depths are tried rarely, and once the target follows a
@@ -64,40 +84,46 @@ class LookupCalibration:
     sets; docs/results.md, "Lookup chains priced by a running window"). None: plain sums (the offline
     replay, whose sessions are short)."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, max_depth: int = MAX_CHAIN, prior: float = 2.0,
+    def __init__(self, rows: int = MATCH_ROWS, max_depth: int = MAX_CHAIN, prior: float = 2.0,
                  window: float | None = None):
         self.prior, self.window = prior, window
-        self.hits = np.zeros((max_ngram + 1, max_depth + 1))
-        self.trials = np.zeros((max_ngram + 1, max_depth + 1))
-        self._rates: dict[int, tuple[list[float], list[float]]] = {}  # match length -> (rates, logs)
+        self.hits = np.zeros((rows, max_depth + 1))
+        self.trials = np.zeros((rows, max_depth + 1))
+        self._rates: dict[int, tuple] = {}  # row -> (rates, logs, point estimates, trials)
         self.version = 0  # counts observe() calls: rates() may differ once it changes
 
-    def rates(self, ngram: int, depth: int) -> np.ndarray:
+    def rates(self, row: int, depth: int) -> np.ndarray:
         """Each depth's estimate less one standard error. Chains are taken where their estimate is
         high, so an unbiased estimate would be too high for the chains taken (and where lookup
         barely pays, as on llama.cpp for text that copies little, that costs speed); with more
         trials the margin shrinks."""
-        return np.array(self._depth_rates(ngram)[0][:depth])
+        return np.array(self._depth_rates(row)[0][:depth])
 
-    def log_rates(self, ngram: int, depth: int) -> list[float]:
-        """``log_probs(rates(ngram, depth))``."""
-        return self._depth_rates(ngram)[1][:depth]
+    def log_rates(self, row: int, depth: int) -> list[float]:
+        """``log_probs(rates(row, depth))``."""
+        return self._depth_rates(row)[1][:depth]
 
-    def _depth_rates(self, ngram: int) -> tuple[list[float], list[float]]:
-        cached = self._rates.get(ngram)
+    def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
+        """(rates, their logs) at every depth."""
+        return self._estimates(row)[:2]
+
+    def _estimates(self, row: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """(rates, their logs, point estimates, trials behind them, pseudo-trials included) per depth."""
+        cached = self._rates.get(row)
         if cached is None:  # asked every round of auto, changed by every round that counted a chain
-            trials = self.trials[ngram, 1:].tolist()
+            trials = self.trials[row, 1:].tolist()
             tried = next((d for d in range(len(trials), 0, -1) if trials[d - 1] > 0), 0)  # deepest tried depth
-            out, previous, prior, sqrt = [], 0.5, self.prior, math.sqrt
-            for hits, n in zip(self.hits[ngram, 1:tried + 1].tolist(), trials[:tried]):
+            points, ns, previous, prior = [], [], 0.5, self.prior
+            for hits, n in zip(self.hits[row, 1:tried + 1].tolist(), trials[:tried]):
                 n += prior
                 previous = (hits + prior * previous) / n
-                rate = previous - sqrt(previous * (1 - previous) / n)
-                out.append(rate if rate > 0.0 else 0.0)
+                points.append(previous)
+                ns.append(n)
             # deeper, untried depths keep the last estimate (shrunk towards the depth above, no counts)
-            rate = previous - sqrt(previous * (1 - previous) / prior)
-            out += [rate if rate > 0.0 else 0.0] * (len(trials) - tried)
-            cached = self._rates[ngram] = (out, log_probs(out))
+            points += [previous] * (len(trials) - tried)
+            ns += [prior] * (len(trials) - tried)
+            out = less_one_error(points, [p * (1 - p) / n for p, n in zip(points, ns)])
+            cached = self._rates[row] = (out, log_probs(out), points, ns)
         return cached
 
     def counts(self) -> dict:
@@ -112,21 +138,74 @@ class LookupCalibration:
         self._rates.clear()
         self.version += 1
 
-    def observe(self, ngram: int, verified: int, accepted: int) -> None:
+    def observe(self, row: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
-        self._rates.pop(ngram, None)
+        self._rates.pop(row, None)
         self.version += 1
         for d in range(1, min(verified, accepted + 1) + 1):
-            self.trials[ngram, d] += 1
-            self.hits[ngram, d] += d <= accepted
-            if self.window is not None and self.trials[ngram, d] > self.window:
-                shrink = self.window / self.trials[ngram, d]
-                self.trials[ngram, d] *= shrink
-                self.hits[ngram, d] *= shrink
+            self.trials[row, d] += 1
+            self.hits[row, d] += d <= accepted
+            if self.window is not None and self.trials[row, d] > self.window:
+                shrink = self.window / self.trials[row, d]
+                self.trials[row, d] *= shrink
+                self.hits[row, d] *= shrink
+
+
+class RequestCalibration:
+    """Lookup rates for one request: its own counts, shrunk towards a pooled calibration's rates.
+
+    How often the target follows a copy depends on the request (a proof that restates the problem's
+    expressions, a translation, code edits), and the pooled counts mix every request a decoder
+    served, in its running window; so a request whose chains keep failing went on paying for them
+    at the pooled price (seen: MATH-500 on llama.cpp, 121 chains of 2.11 nodes emitting 2.01 tokens
+    where their verify cost 2.14 steps; docs/results.md, "What a new user hits, fixed"). Each depth's
+    rate here is (own hits + k * pooled rate) / (own trials + k), k = ``strength`` pseudo-trials:
+    the pooled rate until the request has evidence of its own. Every count goes to both."""
+
+    def __init__(self, pooled: LookupCalibration, strength: float = REQUEST_PRIOR):
+        self.pooled, self.strength = pooled, strength
+        self.own = LookupCalibration(pooled.hits.shape[0], pooled.hits.shape[1] - 1, prior=pooled.prior)
+        self._requests = 0
+        self._rates: dict[int, tuple[tuple, list[float], list[float]]] = {}  # row -> (version, rates, logs)
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever :meth:`rates` may (what a price is cached on)."""
+        return self._requests, self.pooled.version, self.own.version
+
+    def start_request(self) -> None:
+        """Forget the own counts: a new request begins."""
+        self.own = LookupCalibration(self.own.hits.shape[0], self.own.hits.shape[1] - 1, prior=self.pooled.prior)
+        self._requests += 1
+        self._rates.clear()
+
+    def observe(self, row: int, verified: int, accepted: int) -> None:
+        self.pooled.observe(row, verified, accepted)
+        self.own.observe(row, verified, accepted)
+
+    def rates(self, row: int, depth: int) -> np.ndarray:
+        return np.array(self._depth_rates(row)[0][:depth])
+
+    def log_rates(self, row: int, depth: int) -> list[float]:
+        return self._depth_rates(row)[1][:depth]
+
+    def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
+        version, cached = self.version, self._rates.get(row)
+        if cached is None or cached[0] != version:
+            k, (pooled_rates, _, pooled, pooled_n) = self.strength, self.pooled._estimates(row)
+            own = zip(pooled, pooled_n, self.own.hits[row, 1:].tolist(), self.own.trials[row, 1:].tolist())
+            points, variances = [], []
+            for p, n_pooled, hits, n in own:
+                m = (hits + k * p) / (n + k)
+                points.append(m)
+                variances.append((n * m * (1 - m) + k * k * p * (1 - p) / n_pooled) / (n + k) ** 2)
+            rates = less_one_error(points, variances)
+            cached = self._rates[row] = (version, rates, log_probs(rates))
+        return cached[1], cached[2]
 
 
 class PendingChains:
-    """Lookup chains offered but not yet counted, each as (match length, chain, where its first token
+    """Lookup chains offered but not yet counted, each as (calibration row, chain, where its first token
     goes: an index into the committed tokens followed by the anchor): chains no verify held (plain
     rounds, trees without them) and chains whose verified part was taken whole. They are counted
     into ``calibration`` once the target's own tokens since have decided them (a token it missed, or
@@ -140,8 +219,8 @@ class PendingChains:
     def __init__(self, calibration: LookupCalibration):
         self.calibration, self.chains, self.rounds = calibration, [], 0
 
-    def add(self, ngram: int, chain: list[int], start: int) -> None:
-        self.chains.append((ngram, chain, start))
+    def add(self, row: int, chain: list[int], start: int) -> None:
+        self.chains.append((row, chain, start))
 
     def tick(self, tokens, anchor: int) -> None:
         """A round begins (``tokens`` committed, ``anchor`` the target's latest token after them)."""
@@ -152,18 +231,18 @@ class PendingChains:
     def follow(self, tokens, anchor: int) -> None:
         """Count the chains that ``tokens`` and ``anchor`` decide; keep the others."""
         pending, self.rounds = [], 0
-        for ngram, chain, start in self.chains:
+        for row, chain, start in self.chains:
             produced = [int(t) for t in tokens[start:start + len(chain)]]  # the target's tokens where the chain's went
             if start + len(produced) == len(tokens) and len(produced) < len(chain):
                 produced.append(int(anchor))  # ... the anchor (its latest token) included
             followed = common_prefix(chain, produced)
             if followed < len(produced) or followed == len(chain):  # a token it missed, or all of it taken
-                self.calibration.observe(ngram, len(chain), followed)
+                self.calibration.observe(row, len(chain), followed)
             else:
-                pending.append((ngram, chain, start))
+                pending.append((row, chain, start))
         self.chains = pending
 
-    def observe_verified(self, ngram: int, chain: list[int], start: int, verified: int, followed: int) -> None:
+    def observe_verified(self, row: int, chain: list[int], start: int, verified: int, followed: int) -> None:
         """A verify held the chain's first ``verified`` tokens and the target took ``followed``."""
         if 0 < followed == verified < len(chain):
             # All of the verified part was taken and the chain went on past the cut: follow the rest
@@ -171,9 +250,9 @@ class PendingChains:
             # prior alone, and so never verified (seen: code edits whose 10-token chains the target
             # takes whole, cut to 4 nodes round after round; docs/results.md, "Copy-heavy requests on
             # torch, with few-row products").
-            self.add(ngram, chain, start)
+            self.add(row, chain, start)
         else:
-            self.calibration.observe(ngram, verified, followed)
+            self.calibration.observe(row, verified, followed)
 
 
 class MixedProposal:
@@ -218,29 +297,36 @@ class MixedProposal:
 class MixedDrafter:
     """A head's drafter with prompt lookup merged into its trees (the :class:`Drafter` interface)."""
 
-    def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_CHAIN):
+    def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_CHAIN,
+                 request_prior: float | None = REQUEST_PRIOR):
+        """``request_prior``: chains priced per request (:class:`RequestCalibration`, with that many
+        pseudo-trials of the pooled rates); None: by the pooled counts alone."""
         self.primary, self.target = primary, target
         self.head, self.block_size = primary.head, primary.block_size
         self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)
-        self.max_ngram, self.max_draft = max_ngram, max_draft
-        self.calibration = LookupCalibration(max_ngram, max_draft, window=LOOKUP_WINDOW)
-        # (match length, chain, where its first token goes) of the latest proposal, until a verify
+        self.max_ngram, self.max_draft, self.request_prior = max_ngram, max_draft, request_prior
+        self.calibration = LookupCalibration(MATCH_ROWS, max_draft, window=LOOKUP_WINDOW)  # pooled over requests
+        # what prices chains and counts them into the pooled calibration
+        self.rates = self.calibration if request_prior is None else RequestCalibration(self.calibration, request_prior)
+        # (calibration row, chain, where its first token goes) of the latest proposal, until a verify
         # that held it is observed
         self._last: tuple[int, list[int], int] | None = None
-        self._pending = PendingChains(self.calibration)
+        self._pending = PendingChains(self.rates)
         self._anchor: int | None = None  # the latest proposal's anchor
         self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
         """The same for another sequence: the head drafter forked, lookup counts of its own."""
-        return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft)
+        return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft, self.request_prior)
 
     def reset(self) -> None:
         if self._pending.chains:  # the last batch, counted against the tokens the latest proposal saw
             self._pending.follow(self.index.tokens, self._anchor)
         self.primary.reset()
         self._last, self._anchor = None, None
-        self._pending = PendingChains(self.calibration)
+        if isinstance(self.rates, RequestCalibration):
+            self.rates.start_request()
+        self._pending = PendingChains(self.rates)
         self.index = LookupIndex(self.max_ngram)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -257,16 +343,16 @@ class MixedDrafter:
         """The lookup chain alone, no head forward (None without a match). Its tree's scores are the
         calibrated log-probabilities of each chain token being accepted, which is what lets a budget
         weigh a round of it against a drafted round (decoding/budget.py, ``chain_offer``)."""
-        ngram, chain = self._lookup(anchor, room)
-        return self._proposal(anchor, None, ngram, chain) if chain else None
+        row, chain = self._lookup(anchor, room)
+        return self._proposal(anchor, None, row, chain) if chain else None
 
-    def _proposal(self, anchor: int, primary, ngram: int, chain: list[int]) -> MixedProposal:
-        cal = self.calibration  # a chain's rates depend on its match length and length, not its tokens
-        return MixedProposal(primary, int(anchor), chain, cal.log_rates(ngram, len(chain)),
-                             scores_key=(id(cal), cal.version, ngram, len(chain)))
+    def _proposal(self, anchor: int, primary, row: int, chain: list[int]) -> MixedProposal:
+        cal = self.rates  # a chain's rates depend on its row and length, not its tokens
+        return MixedProposal(primary, int(anchor), chain, cal.log_rates(row, len(chain)),
+                             scores_key=(id(cal), cal.version, row, len(chain)))
 
     def _lookup(self, anchor: int, room: int) -> tuple[int, list[int]]:
-        """This round's lookup match (match length, chain), with the bookkeeping of offered chains."""
+        """This round's lookup match (calibration row, chain), with the bookkeeping of offered chains."""
         tokens, anchor = self.target.token_ids, int(anchor)
         if self._last is not None and self._last[2] != len(tokens) + 1:  # a past round's, no verify held it
             self._pending.add(*self._last)
@@ -274,21 +360,22 @@ class MixedDrafter:
         self._pending.tick(tokens, anchor)
         self.index.sync(tokens)
         self._anchor = anchor
-        ngram, chain = self.index.match(anchor, min(self.max_draft, room))
-        self._last = (ngram, chain, len(tokens) + 1) if chain else None
-        return ngram, chain
+        length, chain = self.index.match(anchor, min(self.max_draft, room))
+        row = match_row(length)
+        self._last = (row, chain, len(tokens) + 1) if chain else None
+        return row, chain
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Count how far the target followed the lookup chain, where the verified tree held it."""
         self.primary.observe(tree, path)
         if self._last is None:
             return
-        ngram, chain, start = self._last
+        row, chain, start = self._last
         node, verified = 0, 0
         for token in chain:
             node = tree.children[node].get(token)
             if node is None:
                 break
             verified += 1
-        self._pending.observe_verified(ngram, chain, start, verified, chain_followed(chain, tree, path))
+        self._pending.observe_verified(row, chain, start, verified, chain_followed(chain, tree, path))
         self._last = None

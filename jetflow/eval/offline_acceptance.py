@@ -35,7 +35,8 @@ from tqdm import tqdm
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
-from jetflow.decoding.mixed_drafter import MAX_CHAIN, LookupCalibration, MixedProposal, PendingChains, chain_followed
+from jetflow.decoding.mixed_drafter import (MAX_CHAIN, LookupCalibration, MixedProposal, PendingChains, RequestCalibration,
+                                             chain_followed, match_row)
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.eval.replay_journal import ReplayJournal
@@ -234,16 +235,17 @@ class ReplayRounds:
         history = self.tokens[:anchor + 1].numpy()
         pending.tick(history[:anchor], int(history[anchor]))
         lookup_rates = pending.calibration
-        ngram, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
+        length, chain = lookup_match(history, MAX_NGRAM, MAX_CHAIN)
+        row = match_row(length)
         root = int(self.tokens[anchor])
         head = self.tree_refined(anchor, budget) if self.tree_refine else _HeadTree(self.trees[anchor], root,
                                                                                     self.draft_ids)
-        proposal = MixedProposal(head, root, chain, lookup_rates.log_rates(ngram, len(chain)))
+        proposal = MixedProposal(head, root, chain, lookup_rates.log_rates(row, len(chain)))
         tree = proposal.tree(budget)
         nodes = path_nodes(tree, self.tokens[anchor + 1:anchor + 1 + tree.max_depth].tolist())
         if chain and len(tree) > 1:
             verified = len(path_nodes(tree, chain))
-            pending.observe_verified(ngram, chain, anchor + 1, verified, chain_followed(chain, tree, [0, *nodes]))
+            pending.observe_verified(row, chain, anchor + 1, verified, chain_followed(chain, tree, [0, *nodes]))
         return len(nodes)
 
     def _walk_to(self, anchor: int) -> None:
@@ -272,7 +274,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     first pass's. ``lookup``: the trees hold the prompt-lookup chain too (decoding's
     default; only where decoding puts the rounds), its calibration fresh per sequence as for a new
     request; with ``lookup_session`` its counts carry over from one sequence to the next, as when
-    one ``JetFlow`` object answers them in order. ``calibrated``:
+    one ``JetFlow`` object answers them in order (each sequence's rates shrunk from them towards its
+    own, as decoding's are). ``calibrated``:
     build the trees with the head's tree calibration when it has one (as decoding does).
     ``journal``: sequences it holds (under ``journal_key``) are read from it, the others recorded in it
     as they finish (eval/replay_journal.py). ``progress``: a progress bar on stderr with that label."""
@@ -334,7 +337,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
             for arm in [*budgets, CHAIN]:
                 lookup_rates = None
                 if lookup and arm != CHAIN:  # one per request, or one for the whole session
-                    lookup_rates = session[arm] if session is not None else LookupCalibration()
+                    lookup_rates = RequestCalibration(session[arm]) if session is not None else LookupCalibration()
                 pending = PendingChains(lookup_rates) if lookup_rates is not None else None
                 a = previous = seq.prompt_len
                 while a <= last:

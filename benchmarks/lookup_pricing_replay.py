@@ -1,0 +1,174 @@
+"""Lookup chains priced by `auto`, replayed on a benchmark's stored greedy outputs: which pricing of
+chains would have spent the least verify time on the same text.
+
+A greedy output is fixed by the target, so how far the target follows any chain offered at any
+point is known from the output alone. This replays `auto`'s featureless rounds (no head forward:
+a plain one-token step or a lookup chain alone) over the stored outputs of one method of a
+`jetflow bench` directory (the prompts rebuilt from the same evaluation sets, later turns after
+that method's own answers), with the real MixedDrafter (lookup index, pending chains, calibration)
+and the real AdaptiveBudget chain pricing, against the cost curve that benchmark measured. Each
+pricing is one arm; requests run in the benchmark's order with one decoder per arm, as in `auto`.
+Time per round comes from the curve (a chain of n nodes costs a verify of n, plus ``--tree-overhead-ms``),
+so this isolates the choice of chains from the machine's noise; it does not time anything.
+
+    python benchmarks/lookup_pricing_replay.py docs/results/headline_llamacpp_v16 \
+        --priors none,4,8,16,oracle --out docs/results/lookup_pricing/v16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from jetflow.decoding.budget import AdaptiveBudget
+from jetflow.decoding.costs import CostCurve, _int_keys
+from jetflow.decoding.mixed_drafter import MixedDrafter
+from jetflow.decoding.prompt import encode_prompt
+from jetflow.eval.datasets import load_eval_set
+from jetflow.models.resolve import resolve_model
+from jetflow.utils.fs import write_json_atomic
+
+
+class _NoHead:
+    """The head drafter of a featureless request: never asked to draft."""
+    head, block_size = None, 1
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, tree, path) -> None:
+        pass
+
+
+class _Committed:
+    token_ids: list[int] = []
+
+
+def followed_path(tree, output: list[int]) -> list[int]:
+    """The tree's nodes (root first) along ``output``, the target's tokens after the root."""
+    path = [0]
+    for token in output:
+        child = tree.children[path[-1]].get(token)
+        if child is None:
+            break
+        path.append(child)
+    return path
+
+
+class _Offer:
+    def __init__(self, tree):
+        self.tree = tree
+
+
+class Arm:
+    """``prior``: as MixedDrafter's ``request_prior``; "oracle": every offered chain cut where it
+    would give the most tokens per ms given how far the target follows it (the bound for pricing)."""
+
+    def __init__(self, prior: float | str | None, curve: CostCurve, tree_overhead_ms: float):
+        self.oracle = prior == "oracle"
+        self.committed = _Committed()
+        self.drafter = MixedDrafter(_NoHead(), self.committed, request_prior=None if self.oracle else prior)
+        self.budget = AdaptiveBudget(curve)
+        self.budget.overhead_ms = tree_overhead_ms
+        self.curve, self.tree_overhead_ms = curve, tree_overhead_ms
+        self.ms = self.plain_ms = 0.0
+        self.chains = self.chain_nodes = self.chain_tokens = 0
+
+    def request(self, prompt: list[int], output: list[int]) -> None:
+        """Decode ``output`` (the target's greedy tokens after ``prompt``) as featureless `auto` would."""
+        self.drafter.reset()
+        i = 0  # output[i] is the round's root (the target's latest token); output[:i] are committed
+        while i < len(output) - 1:
+            self.committed.token_ids = prompt + output[:i]
+            offer = (self._oracle_offer(output, i) if self.oracle
+                     else self.budget.lookup_chain(self.drafter, output[i], room=1 << 20))
+            if offer is None:
+                self.ms += self.curve.c1_ms
+                i += 1
+                continue
+            path = followed_path(offer.tree, output[i + 1:])
+            self.drafter.observe(offer.tree, path)
+            nodes = len(offer.tree) - 1
+            self.ms += self.curve.verify_ms(nodes) + self.tree_overhead_ms
+            self.chains, self.chain_nodes, self.chain_tokens = self.chains + 1, self.chain_nodes + nodes, self.chain_tokens + len(path)
+            i += len(path)
+        self.committed.token_ids = prompt + output[:-1]
+        self.plain_ms += self.curve.c1_ms * (len(output) - 1)
+
+    def _oracle_offer(self, output: list[int], i: int):
+        chain = self.drafter.propose_lookup(output[i], room=1 << 20)
+        if chain is None:
+            return None
+        followed = len(followed_path(chain.tree(len(chain.chain)), output[i + 1:])) - 1
+        if not followed:
+            return None
+        n = max(range(1, followed + 1), key=lambda n: (n + 1) / (self.curve.verify_ms(n) + self.tree_overhead_ms))
+        if (n + 1) / (self.curve.verify_ms(n) + self.tree_overhead_ms) <= 1 / self.curve.c1_ms:
+            return None
+        return _Offer(chain.tree(n))
+
+    def summary(self) -> dict:
+        return {"speedup_vs_plain": self.plain_ms / self.ms, "chains": self.chains,
+                "nodes_per_chain": self.chain_nodes / max(1, self.chains),
+                "tokens_per_chain": self.chain_tokens / max(1, self.chains)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bench_dir", help="a `jetflow bench` output directory (runs/ and summary.json)")
+    ap.add_argument("--method", default="llama-ar", help="whose stored outputs are the target's text")
+    ap.add_argument("--datasets", default="gsm8k,mtbench,humaneval,math500,aime", help="in the order requests ran")
+    ap.add_argument("--priors", default="none,2,4,8,16,32",
+                    help="arms: pseudo-trials of the pooled rate behind a request's own counts; none: pooled only; "
+                         "oracle: chains cut knowing how far the target follows them")
+    ap.add_argument("--tree-overhead-ms", type=float, default=0.2,
+                    help="Python time of a chain round beyond its verify (decoding/budget.py: about 0.2 ms on llama.cpp)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    root = Path(args.bench_dir)
+    summary = json.loads((root / "summary.json").read_text())
+    cost_model = summary["cost_model"]
+    curve = CostCurve(_int_keys({"c1_ms": cost_model["c1_ms"], "verify_ms": cost_model["verify_ms"], "draft_ms": {}}))
+    settings = summary["settings"]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings["target"]).path)
+    priors = [None if p == "none" else p if p == "oracle" else float(p) for p in args.priors.split(",")]
+    arms = {p: Arm(p, curve, args.tree_overhead_ms) for p in priors}
+    per_set: dict[str, dict] = {}
+    for name in args.datasets.split(","):
+        records = json.loads((root / "runs" / f"{name}__{args.method}.json").read_text())["records"]
+        by_turn = {(r["id"], r["turn"]): r for r in records}
+        before = {p: (arm.ms, arm.plain_ms, arm.chains, arm.chain_nodes, arm.chain_tokens) for p, arm in arms.items()}
+        mismatched = 0
+        for prompt in load_eval_set(name, settings["limit"]):
+            answers: list[str] = []
+            for turn in range(len(prompt.turns)):
+                record = by_turn[(prompt.id, turn)]
+                output = json.loads(record["token_ids"]) if isinstance(record["token_ids"], str) else record["token_ids"]
+                ids = encode_prompt(tokenizer, prompt.request(answers), chat=prompt.chat)
+                mismatched += len(ids) != record["prompt_tokens"]
+                for arm in arms.values():
+                    arm.request(ids, output)
+                answers.append(tokenizer.decode(output, skip_special_tokens=True))
+        per_set[name] = {"prompts_rebuilt_with_other_lengths": mismatched}
+        for p, arm in arms.items():
+            ms, plain, chains, nodes, tokens = (now - then for now, then in zip(
+                (arm.ms, arm.plain_ms, arm.chains, arm.chain_nodes, arm.chain_tokens), before[p]))
+            per_set[name][str(p).lower()] = {"speedup_vs_plain": plain / ms, "chains": chains,
+                                            "nodes_per_chain": nodes / max(1, chains), "tokens_per_chain": tokens / max(1, chains)}
+        print(f"{name} ({mismatched} prompts rebuilt with another length): " + "; ".join(
+            f"{str(p).lower()} {v['speedup_vs_plain']:.4f}x ({v['chains']} chains, {v['nodes_per_chain']:.2f} nodes, "
+            f"{v['tokens_per_chain']:.2f} tokens)" for p, v in per_set[name].items() if isinstance(v, dict)))
+    out = {"bench_dir": str(root), "method": args.method, "tree_overhead_ms": args.tree_overhead_ms,
+           "cost_model": {"c1_ms": curve.c1_ms, "verify_ms": cost_model["verify_ms"]},
+           "sets": per_set, "all": {str(p).lower(): arm.summary() for p, arm in arms.items()}}
+    print("all: " + "; ".join(f"{p} {v['speedup_vs_plain']:.4f}x ({v['chains']} chains)" for p, v in out["all"].items()))
+    write_json_atomic(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
