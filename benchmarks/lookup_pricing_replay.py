@@ -9,10 +9,12 @@ that method's own answers), with the real MixedDrafter (lookup index, pending ch
 and the real AdaptiveBudget chain pricing, against the cost curve that benchmark measured. Each
 pricing is one arm; requests run in the benchmark's order with one decoder per arm, as in `auto`.
 Time per round comes from the curve (a chain of n nodes costs a verify of n, plus ``--tree-overhead-ms``),
-so this isolates the choice of chains from the machine's noise; it does not time anything.
+so this isolates the choice of chains from the machine's noise; it does not time anything. It also
+counts, at every point of the text, the chain lookup offers and how far the target follows it, by
+the match's length (what the chains' calibration rows group).
 
     python benchmarks/lookup_pricing_replay.py docs/results/headline_llamacpp_v16 \
-        --priors none,4,8,16,oracle --out docs/results/lookup_pricing/v16.json
+        --priors default,none,4,8,16,oracle --out docs/results/lookup_pricing/v16.json
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from transformers import AutoTokenizer
 
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, _int_keys
-from jetflow.decoding.mixed_drafter import MixedDrafter
+from jetflow.decoding.lookup_drafter import MAX_NGRAM, LookupIndex
+from jetflow.decoding.mixed_drafter import MAX_CHAIN, MixedDrafter
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.eval.datasets import load_eval_set
 from jetflow.models.resolve import resolve_model
@@ -58,19 +61,41 @@ def followed_path(tree, output: list[int]) -> list[int]:
     return path
 
 
+def followed_by_match_length(prompt: list[int], output: list[int], table: dict) -> None:
+    """Add to ``table`` (match length -> [offers, tokens followed]) the chain offered at every point
+    of ``output``, and how far the target followed it (what MATCH_ROW_STARTS is grouped by)."""
+    index = LookupIndex(MAX_NGRAM)
+    for i in range(len(output) - 1):
+        index.sync(prompt + output[:i])
+        length, chain = index.match(output[i], MAX_CHAIN)
+        if chain:
+            row = table.setdefault(length, [0, 0])
+            row[0] += 1
+            row[1] += len(followed_path(_Chain(chain), output[i + 1:])) - 1
+
+
+class _Chain:
+    """A chain as the tree ``followed_path`` walks."""
+    def __init__(self, tokens: list[int]):
+        self.children = [{t: k + 1} for k, t in enumerate(tokens)] + [{}]
+
+
 class _Offer:
     def __init__(self, tree):
         self.tree = tree
 
 
 class Arm:
-    """``prior``: as MixedDrafter's ``request_prior``; "oracle": every offered chain cut where it
-    would give the most tokens per ms given how far the target follows it (the bound for pricing)."""
+    """``prior``: as MixedDrafter's ``request_prior``, or "default"; "oracle": every offered chain cut
+    where it would give the most tokens per ms given how far the target follows it (the bound for
+    pricing)."""
 
     def __init__(self, prior: float | str | None, curve: CostCurve, tree_overhead_ms: float):
         self.oracle = prior == "oracle"
         self.committed = _Committed()
-        self.drafter = MixedDrafter(_NoHead(), self.committed, request_prior=None if self.oracle else prior)
+        # "default": as the code at hand decodes (what lets this script replay an older checkout too)
+        kw = {} if prior in ("default", "oracle") else {"request_prior": prior}
+        self.drafter = MixedDrafter(_NoHead(), self.committed, **kw)
         self.budget = AdaptiveBudget(curve)
         self.budget.overhead_ms = tree_overhead_ms
         self.curve, self.tree_overhead_ms = curve, tree_overhead_ms
@@ -121,9 +146,9 @@ def main() -> int:
     ap.add_argument("bench_dir", help="a `jetflow bench` output directory (runs/ and summary.json)")
     ap.add_argument("--method", default="llama-ar", help="whose stored outputs are the target's text")
     ap.add_argument("--datasets", default="gsm8k,mtbench,humaneval,math500,aime", help="in the order requests ran")
-    ap.add_argument("--priors", default="none,2,4,8,16,32",
+    ap.add_argument("--priors", default="default,none,4,8,16,oracle",
                     help="arms: pseudo-trials of the pooled rate behind a request's own counts; none: pooled only; "
-                         "oracle: chains cut knowing how far the target follows them")
+                         "default: MixedDrafter's default; oracle: chains cut knowing how far the target follows them")
     ap.add_argument("--tree-overhead-ms", type=float, default=0.2,
                     help="Python time of a chain round beyond its verify (decoding/budget.py: about 0.2 ms on llama.cpp)")
     ap.add_argument("--out", required=True)
@@ -135,9 +160,10 @@ def main() -> int:
     curve = CostCurve(_int_keys({"c1_ms": cost_model["c1_ms"], "verify_ms": cost_model["verify_ms"], "draft_ms": {}}))
     settings = summary["settings"]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings["target"]).path)
-    priors = [None if p == "none" else p if p == "oracle" else float(p) for p in args.priors.split(",")]
+    priors = [None if p == "none" else p if p in ("oracle", "default") else float(p) for p in args.priors.split(",")]
     arms = {p: Arm(p, curve, args.tree_overhead_ms) for p in priors}
     per_set: dict[str, dict] = {}
+    by_length: dict[int, list[int]] = {}
     for name in args.datasets.split(","):
         records = json.loads((root / "runs" / f"{name}__{args.method}.json").read_text())["records"]
         by_turn = {(r["id"], r["turn"]): r for r in records}
@@ -152,6 +178,7 @@ def main() -> int:
                 mismatched += len(ids) != record["prompt_tokens"]
                 for arm in arms.values():
                     arm.request(ids, output)
+                followed_by_match_length(ids, output, by_length)
                 answers.append(tokenizer.decode(output, skip_special_tokens=True))
         per_set[name] = {"prompts_rebuilt_with_other_lengths": mismatched}
         for p, arm in arms.items():
@@ -162,9 +189,13 @@ def main() -> int:
         print(f"{name} ({mismatched} prompts rebuilt with another length): " + "; ".join(
             f"{str(p).lower()} {v['speedup_vs_plain']:.4f}x ({v['chains']} chains, {v['nodes_per_chain']:.2f} nodes, "
             f"{v['tokens_per_chain']:.2f} tokens)" for p, v in per_set[name].items() if isinstance(v, dict)))
+    print("chains offered at every point of the text, by match length: " + "; ".join(
+        f"{n}: {offers} offers, {followed / offers:.2f} tokens followed" for n, (offers, followed) in sorted(by_length.items())))
     out = {"bench_dir": str(root), "method": args.method, "tree_overhead_ms": args.tree_overhead_ms,
            "cost_model": {"c1_ms": curve.c1_ms, "verify_ms": cost_model["verify_ms"]},
-           "sets": per_set, "all": {str(p).lower(): arm.summary() for p, arm in arms.items()}}
+           "sets": per_set, "all": {str(p).lower(): arm.summary() for p, arm in arms.items()},
+           "followed_by_match_length": {str(n): {"offers": offers, "mean_followed": followed / offers}
+                                        for n, (offers, followed) in sorted(by_length.items())}}
     print("all: " + "; ".join(f"{p} {v['speedup_vs_plain']:.4f}x ({v['chains']} chains)" for p, v in out["all"].items()))
     write_json_atomic(args.out, out)
     return 0

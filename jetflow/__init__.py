@@ -23,6 +23,7 @@ _LAZY = {
     "JetFlowError": "jetflow.errors",
     "InvalidRequestError": "jetflow.errors",
     "ModelResolutionError": "jetflow.errors",
+    "RequestSupersededError": "jetflow.errors",
 }
 
 __all__ = sorted(_LAZY)

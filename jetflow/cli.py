@@ -63,8 +63,9 @@ def _add_offline_eval_args(p: argparse.ArgumentParser, drafter_help: str) -> Non
 def _device_and_dtype(args):
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
+    from jetflow.models.loading import default_device_and_dtype
+
+    device, dtype = default_device_and_dtype(args.device, getattr(torch, args.dtype) if args.dtype else None)
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
@@ -84,6 +85,24 @@ def _load_jetflow(args):
                                    budget=args.budget, width=args.width,
                                    lookup=not args.no_lookup, int8_draft=_int8_draft(args),
                                    auto_state=_auto_state_dir(args.auto_state))
+
+
+def _new_checkpoint_dir(out, source, overwrite: bool) -> None:
+    """--out of a command that writes a checkpoint made from ``source``: a directory that already
+    holds one (other than ``source`` itself) is replaced only with --overwrite, so another head is
+    never lost to a mistyped path. Checked before the model loads."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and out.resolve() != Path(source).resolve() and not overwrite:
+        raise JetFlowError(f"--out {out} already holds files (a checkpoint?); --overwrite replaces it, "
+                           "or choose a new directory")
+
+
+def _report_file(path) -> None:
+    """--out/--report of a JSON report: refused now if it could not be written at the end."""
+    from jetflow.utils.fs import check_writable_file
+
+    if path is not None:
+        check_writable_file(Path(path))
 
 
 def _auto_state_dir(text: str) -> Path | None:
@@ -359,9 +378,12 @@ def cmd_eval_offline(args) -> int:
     missing = [d for d in args.drafter if not Path(d).is_dir()]
     if missing:
         raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    from jetflow.pipeline import MAX_BUDGET
+
     budgets = _int_list(args.budgets, "--budgets")
-    if min(budgets) < 1:
-        raise JetFlowError(f"--budgets must be >= 1, got {args.budgets!r}")
+    if min(budgets) < 1 or max(budgets) > MAX_BUDGET:
+        raise JetFlowError(f"--budgets must be in [1, {MAX_BUDGET}], got {args.budgets!r}")
+    _report_file(args.out)
     target = _load_jetflow_target(args, training=True)
     journal = journal_path(args.out) if args.out else None  # an interrupted replay resumes from it
     report = evaluate_drafters(target, args.drafter, args.data, args.teacher_cache, args.sequences, budgets,
@@ -388,6 +410,9 @@ def cmd_calibrate(args) -> int:
     if not args.held_out and not args.sequences:
         raise JetFlowError("say which sequences the head was not trained on: --held-out (the split `jetflow train` "
                            "held out, with its --seed) or --sequences START:END")
+    if args.out is not None:
+        _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
+    _report_file(args.report)
     target = _load_jetflow_target(args, training=True)
     report = calibrate_drafter(target, args.drafter, args.data, args.out or args.drafter,
                                teacher_cache=args.teacher_cache, seq_range=args.sequences,
@@ -406,6 +431,7 @@ def cmd_draft_vocab(args) -> int:
     if Path(args.out).resolve() == Path(args.drafter).resolve():
         raise JetFlowError("--out must be a new directory (the widened head drops the tree calibration; "
                            "run `jetflow calibrate --out` on it afterwards)")
+    _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
     target = _load_jetflow_target(args, training=True)
     if args.size > target.vocab_size:
         raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "
@@ -422,6 +448,7 @@ def cmd_eval_agreement(args) -> int:
     missing = [d for d in args.drafter if not Path(d).is_dir()]
     if missing:
         raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    _report_file(args.out)
     target = _load_jetflow_target(args, training=True)
     report = evaluate_agreement(target, args.drafter, args.data, args.teacher_cache, args.sequences, args.max_depth,
                                 log=lambda m: print(m, file=sys.stderr), path_conditioned=args.path_conditioned)
@@ -483,6 +510,7 @@ def cmd_export_vllm(args) -> int:
 
     if not Path(args.drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
     out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
     print(json.dumps({"out": str(out), "speculative_config": speculative_config(out)}))
     return 0
@@ -544,10 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default when the model has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false", help="encode the prompt as raw text")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--drafter", default="auto",
@@ -557,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tree nodes per round, root not counted, or 'auto': chosen every round from the "
                         "machine's cost curve and the acceptance so far (default: auto on the CPU, where a verify's "
                         "cost grows with its tokens; 16 on a GPU)")
-    g.add_argument("--width", type=_positive_int, default=7, help="top-w candidates per depth (1 = chain)")
+    g.add_argument("--width", type=_positive_int, default=7,
+                   help="top-w candidates per depth (1 = chain; default: %(default)s)")
     g.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     _add_draft_weights_arg(g)
@@ -576,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or .jsonl files")
     r.add_argument("--num", type=_positive_int, default=None, help="number of prompts (default: all)")
     r.add_argument("--mix", default=None, help="source ratios, e.g. gsm8k-train=0.6,sharegpt=0.4")
-    r.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    r.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
     r.add_argument("--batch-size", type=_positive_int, default=32)
     r.add_argument("--shard-size", type=_positive_int, default=256)
     r.add_argument("--answers", choices=["target", "dataset"], default="target",
@@ -723,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--size", type=_non_negative_int, required=True,
                    help="new number of draft ids (0: the whole target vocabulary)")
     w.add_argument("--out", required=True, help="directory for the widened head (then `jetflow calibrate` it)")
+    w.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     w.set_defaults(func=cmd_draft_vocab)
     k = sub.add_parser("calibrate", help="fit a block head's tree calibration (draft log-prob -> acceptance "
                                          "log-prob, per depth) on held-out regenerated sequences")
@@ -740,6 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the calibrated checkpoint here (default: replace --drafter's config.json in place; "
                         "the weights are copied untouched)")
     k.add_argument("--report", type=Path, default=None, help="write the fit (curves, sequences) as JSON here")
+    k.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     k.set_defaults(func=cmd_calibrate)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
                                               "every answer position of held-out regenerated sequences")
@@ -769,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, eagle3, eagle3-lookup, "
                         "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
     b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
-    b.add_argument("--width", type=_positive_int, default=7)
+    b.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (default: %(default)s)")
     b.add_argument("--refine", type=_refine_mode, default=1, metavar="N|tree[:N]",
                    help="the second pass of jetflow-refine (and of jetflow-lookup with a head trained for it): N "
                         "path-conditioned passes per round, each on the path the one before chose, or 'tree': one "
@@ -778,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_weights_arg(b)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    b.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per prompt (median kept)")
     b.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
                    help="interleaved (default): each prompt goes through every method before the next, the "
@@ -795,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--budget", type=_budget, default="auto",
                    help="draft nodes per round, or 'auto' (default): chosen every round from this machine's cost "
                         "curve and the acceptance seen so far")
-    v.add_argument("--width", type=_positive_int, default=7)
+    v.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (default: %(default)s)")
     v.add_argument("--no-lookup", action="store_true",
                    help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
     _add_draft_weights_arg(v)
@@ -825,6 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--target", default=None, help="the head's target (default: the one its config names); "
                                                   "read only for a reduced vocabulary, to copy its LM-head rows")
     x.add_argument("--out", required=True, type=Path)
+    x.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export_vllm)
     g = sub.add_parser("export-gguf", help="write a block head as a DFlash GGUF that llama.cpp's speculative driver runs")

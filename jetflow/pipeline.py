@@ -22,7 +22,7 @@ from jetflow.errors import InvalidRequestError, RequestSupersededError
 from jetflow.models.backend import TargetBackend
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead
-from jetflow.models.loading import load_target
+from jetflow.models.loading import default_device_and_dtype, load_target
 from jetflow.models.shipped import shipped_drafter
 from jetflow.utils.fs import cache_root, write_json_atomic
 
@@ -108,16 +108,19 @@ class JetFlow:
 
     @classmethod
     def from_pretrained(cls, target: str | TargetBackend | None = None, drafter: str | Path | DraftHead | None = None,
-                        *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                         backend: str = "auto", n_threads: int | None = None, flash_attn: bool = False,
                         **defaults) -> "JetFlow":
-        """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded target;
+        """``target``: any model spec (see :func:`jetflow.resolve_model`) or a loaded target (on
+        ``device``, default cuda when there is one, else cpu; ``dtype``, default float32 on the CPU,
+        bfloat16 on a GPU);
         ``backend``: "torch", "llamacpp" (GGUF targets) or "auto" (see jetflow/models/loading.py);
         ``flash_attn``: llama.cpp's fused attention kernel (off by default: faster, but its one-row and
         many-row kernels sum in different orders, so outputs may differ from one-token decoding).
         ``drafter``: a checkpoint directory, a DraftHead, None/"none" for plain decoding, or "auto":
         the drafter shipped with JetFlow for this target when there is one."""
         if target is None or isinstance(target, (str, Path)):
+            device, dtype = default_device_and_dtype(device, dtype)
             target = load_target(target, backend=backend, device=device, dtype=dtype, n_threads=n_threads,
                                  flash_attn=flash_attn)
         head, path = drafter, None
@@ -137,10 +140,11 @@ class JetFlow:
     def stream(self, prompt, *, budget: int | None = None, width: int | None = None,
                **request) -> Iterator[str | GenerationResult]:
         """Yield text deltas, then the :class:`GenerationResult` (with tau/rounds in ``stats``).
-        Request keywords: max_new_tokens, temperature, top_k, top_p, seed, stop, chat."""
+        Request keywords: max_new_tokens, temperature, top_k, top_p, seed, stop, chat; ``budget`` and
+        ``width`` override the decoder's for this request."""
         budget, width = _check_tree_args(self.budget if budget is None else budget,
                                          self.width if width is None else width)
-        check_request_options(request)
+        check_request_options(request, also=("budget", "width", "stream (generate)"))
         prompt_ids, params, output = prepare_request(self.target, prompt, **request)
         with self._lock:
             if budget == "auto" and self.drafter is not None:

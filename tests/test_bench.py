@@ -300,6 +300,7 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
         {"turns": ["Write a haiku.", "Now another."], "category": "writing"},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarize: a b c"}],
          "category": "translate"},
+        {"question": "Name a color."},  # no category: its own "(none)" row
     ]) + "\n")
     args = ["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--datasets", str(prompts),
             "--methods", "ar,jetflow,jetflow-lookup", "--budgets", "4", "--max-new-tokens", "6", "--no-cost-model",
@@ -307,7 +308,8 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     assert main(args) == 0
     run = json.loads((tmp_path / "b" / "runs" / "mine__jetflow-lookup__b4.json").read_text())
     cats = run["summary"]["by_category"]
-    assert sorted(cats) == ["math", "translate", "writing"] and cats["translate"]["prompts"] == 2
+    assert sorted(cats) == ["(none)", "math", "translate", "writing"] and cats["translate"]["prompts"] == 2
+    assert cats["(none)"]["prompts"] == 1
     assert cats["writing"]["turns"] == 2 and all(c["mismatches"] == [] for c in cats.values())
     assert sum(c["new_tokens"] for c in cats.values()) == run["summary"]["new_tokens"]
     md = (tmp_path / "b" / "summary.md").read_text()
@@ -317,6 +319,13 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     assert main(args) == 0
     run = json.loads((tmp_path / "b" / "runs" / "mine__ar.json").read_text())
     assert run["summary"]["prompts"] == 1 and "by_category" not in run["summary"]
+    other = tmp_path / "sub" / "mine.jsonl"  # another file of the same name is another set: not replaced silently
+    other.parent.mkdir()
+    other.write_text(json.dumps({"question": "What is 3+3?"}) + "\n")
+    capsys.readouterr()
+    assert main([*args[:6], str(other), *args[7:]]) == 2
+    err = capsys.readouterr().err
+    assert "prompt_file" in err and str(other.resolve()) in err and "--overwrite" in err
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["settings"]["extra"]["draft_weights"] == "int8"  # the CPU default, recorded
     assert main(args + ["--draft-weights", "float", "--out", str(tmp_path / "f")]) == 0

@@ -443,3 +443,89 @@ def test_pipeline_commands_refuse_a_bad_out_before_loading(tiny_dir, tiny_drafte
     assert main(["draft-vocab", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--data", str(tmp_path),
                  "--size", "100000", "--out", str(tmp_path / "wide")]) == 2
     assert "--size must be at most the target's vocabulary" in capsys.readouterr().err
+
+
+def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_drafter, tmp_path, capsys):
+    """A report path that is a directory, a budget beyond 256, and an --out that already holds
+    another checkpoint are refused before the model loads (--target does not exist), and nothing
+    there is touched; --overwrite lets a checkpoint be replaced."""
+    taken = tmp_path / "another-head"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    a_dir = tmp_path / "a-dir"
+    a_dir.mkdir()
+    seq = ["--sequences", "0:1"]
+    for args, message in (
+            (["eval-offline", "--drafter", str(tiny_drafter), "--out", str(a_dir)], "is a directory, not a file"),
+            (["eval-offline", "--drafter", str(tiny_drafter), "--budgets", "16,999"], "--budgets must be in [1, 256]"),
+            (["eval-agreement", "--drafter", str(tiny_drafter), "--out", str(a_dir)], "is a directory, not a file"),
+            (["calibrate", "--drafter", str(tiny_drafter), *seq, "--report", str(a_dir)], "is a directory, not a file"),
+            (["calibrate", "--drafter", str(tiny_drafter), *seq, "--out", str(taken)], "--overwrite replaces it"),
+            (["draft-vocab", "--drafter", str(tiny_drafter), "--size", "10", "--out", str(taken)],
+             "--overwrite replaces it")):
+        assert main([args[0], "--target", "/no/such/model", "--data", str(tmp_path), *args[1:]]) == 2, args
+        assert message in capsys.readouterr().err, args
+    # with --overwrite the checkpoint check passes and the missing model is what fails
+    assert main(["calibrate", "--target", "/no/such/model", "--data", str(tmp_path), "--drafter", str(tiny_drafter),
+                 *seq, "--out", str(taken), "--overwrite"]) == 2
+    assert "--overwrite" not in capsys.readouterr().err
+    assert (taken / "config.json").read_text() == "{}" and not any(a_dir.iterdir())
+
+
+def test_data_stats_reports_long_answers_and_names_a_bad_directory(tmp_path, capsys):
+    from jetflow.data.shards import Sequence, write_shard
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "shard-00000.npz", [Sequence("gsm8k/0", list(range(30)), 10),
+                                          Sequence("sharegpt/1", list(range(8)), 4)], vocab_size=100)
+    assert main(["data-stats", "--data", str(data), "--long-answer", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "1 answers of 10+ tokens" in out and "| gsm8k | 1 | 20 | 83.3% | 1 |" in out
+    for path, message in ((tmp_path / "missing", "not found"), (data / "shard-00000.npz", "is a file")):
+        assert main(["data-stats", "--data", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    (data / "manifest.json").write_text("[1, 2]")
+    assert main(["data-stats", "--data", str(data)]) == 2
+    assert "manifest.json is not a `jetflow regenerate` manifest (a JSON list" in capsys.readouterr().err
+    (data / "manifest.json").write_text("{cut")
+    assert main(["data-stats", "--data", str(data)]) == 2
+    assert "manifest.json is not readable JSON" in capsys.readouterr().err
+    (data / "manifest.json").unlink()
+    shard = (data / "shard-00000.npz").read_bytes()
+    for damaged in (shard[:len(shard) // 2], b""):  # cut, and empty
+        (data / "shard-00000.npz").write_bytes(damaged)
+        assert main(["data-stats", "--data", str(data)]) == 2
+        assert "shard-00000.npz is not a readable token shard" in capsys.readouterr().err
+
+
+def test_the_cli_and_the_python_api_pick_the_same_device_and_dtype(monkeypatch):
+    import torch
+
+    from jetflow.models.loading import default_device_and_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device_and_dtype() == ("cuda", torch.bfloat16)
+    assert default_device_and_dtype("cpu") == ("cpu", torch.float32)
+    assert default_device_and_dtype(None, torch.float16) == ("cuda", torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device_and_dtype() == ("cpu", torch.float32)
+    import inspect
+
+    from jetflow.pipeline import JetFlow
+    params = inspect.signature(JetFlow.from_pretrained).parameters
+    assert params["device"].default is None and params["dtype"].default is None  # (resolved as above)
+
+
+def test_json_reports_are_staged_in_files_of_their_own(tmp_path):
+    """A report written atomically leaves a user's NAME.tmp alone, and one that cannot be written
+    (a directory in its place) raises OSError and leaves no staging file behind."""
+    from jetflow.utils.fs import write_json_atomic
+
+    (tmp_path / "rep.tmp").write_text("my notes")
+    write_json_atomic(tmp_path / "rep.json", {"a": 1})
+    assert (tmp_path / "rep.tmp").read_text() == "my notes" and json.loads((tmp_path / "rep.json").read_text()) == {"a": 1}
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(OSError):
+        write_json_atomic(tmp_path / "d.json", {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json", "rep.json", "rep.tmp"]

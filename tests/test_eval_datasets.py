@@ -73,6 +73,9 @@ def test_jsonl_prompts_all_fields(tmp_path):
     ('{"question": "q", "category": 3}', "'category' must be a string"),
     ('{"turns": ["a", "b"], "chat": false}', "a raw-text prompt"),
     ('{"question": "q"', "own.jsonl:1"),
+    ('{"question": "cut \\ud83d emoji"}', "own.jsonl:1: a message is not valid Unicode"),
+    ('{"id": "x", "question": "a"}\n{"id": "x", "question": "b"}', "own.jsonl:2: id 'x' is used twice (first on line 1)"),
+    ('{"id": "own/2", "question": "a"}\n{"question": "b"}', "own.jsonl:2: id 'own/2' is used twice"),
 ])
 def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
     from jetflow.eval.datasets import load_eval_set
@@ -83,3 +86,16 @@ def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
         load_eval_set(str(path))
     with pytest.raises(JetFlowError, match="prompt file not found"):
         load_eval_set(str(tmp_path / "missing.jsonl"))
+
+
+def test_prompt_files_named_like_a_built_in_set_or_a_directory_are_refused(tmp_path):
+    """Runs are stored under the set's name: a user's gsm8k.jsonl would be taken for the real GSM8K."""
+    from jetflow.eval.datasets import load_eval_set
+
+    for name in ("gsm8k", "mt-bench"):
+        (tmp_path / f"{name}.jsonl").write_text('{"question": "q"}\n')
+        with pytest.raises(JetFlowError, match=f"may not be named like the built-in set '{name}'"):
+            load_eval_set(str(tmp_path / f"{name}.jsonl"))
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(JetFlowError, match="prompt file .*d.jsonl is a directory"):
+        load_eval_set(str(tmp_path / "d.jsonl"))

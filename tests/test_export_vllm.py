@@ -88,14 +88,18 @@ def test_export_cli(tiny_dir, tmp_path, capsys):
     assert load_file(tmp_path / "v" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
     assert main(["export-vllm", "--drafter", str(tmp_path / "nope"), "--out", str(tmp_path / "w")]) == 2
     assert "not found" in capsys.readouterr().err
-    # an earlier export is replaced; a directory holding anything else, or a file, is refused untouched
-    assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v")]) == 0
+    # an earlier export is replaced with --overwrite only; a directory holding anything else, or a
+    # file, is refused untouched even then
+    capsys.readouterr()
+    assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v")]) == 2
+    assert "already holds files (a checkpoint?); --overwrite replaces it" in capsys.readouterr().err
+    assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v"), "--overwrite"]) == 0
     (tmp_path / "runs" / "old-run").mkdir(parents=True)
     (tmp_path / "runs" / "notes.txt").write_text("precious")
     for out, message in ((tmp_path / "runs", "holds other files (notes.txt, old-run)"),
                          (tmp_path / "runs" / "notes.txt", "is a file, not a directory")):
         capsys.readouterr()
-        assert main(["export-vllm", "--drafter", str(src), "--out", str(out)]) == 2
+        assert main(["export-vllm", "--drafter", str(src), "--out", str(out), "--overwrite"]) == 2
         assert message in capsys.readouterr().err
     assert (tmp_path / "runs" / "notes.txt").read_text() == "precious" and (tmp_path / "runs" / "old-run").is_dir()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt", "old-run"]

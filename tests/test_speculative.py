@@ -213,13 +213,16 @@ def test_one_request_at_a_time_per_jetflow(target):
 
 
 def test_request_options_are_checked_by_name(target):
-    from jetflow.errors import InvalidRequestError
+    from jetflow.errors import InvalidRequestError, RequestSupersededError
 
     jf = random_jetflow(target, budget=8)
     assert jf.generate(PROMPT, max_new_tokens=4, stop=None).new_tokens == 4  # None: no stop strings
-    with pytest.raises(InvalidRequestError, match="unknown request option.s. max_tokens; the options are max_new_tokens"):
+    with pytest.raises(InvalidRequestError, match="unknown request option.s. max_tokens; the options are max_new_tokens"
+                                                  ".*chat, budget, width, stream .generate.$"):
         jf.generate(PROMPT, max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="unknown request option"):
-        jetflow.generate(target, PROMPT, max_tokens=4)
+    assert jf.generate(PROMPT, max_new_tokens=4, budget=2, width=1).stats["budget"] == 2  # per-request overrides
+    with pytest.raises(InvalidRequestError, match="unknown request option.s. budget; the options are .*, chat$"):
+        jetflow.generate(target, PROMPT, budget=4)
+    assert jetflow.RequestSupersededError is RequestSupersededError
     with pytest.raises(InvalidRequestError, match="expected a loaded target, got the name 'smollm2-135m-instruct'"):
         jetflow.generate("smollm2-135m-instruct", "hi")

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from jetflow.data.prompts import Prompt
-from jetflow.data.shards import Sequence, shard_path, write_shard
+from jetflow.data.shards import Sequence, read_manifest, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.errors import JetFlowError
 from jetflow.models.identity import model_identity
@@ -52,14 +52,14 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
                 "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens}
     if answers != "target":  # only recorded when not the default, so older manifests still resume
         settings["answers"] = answers
-    if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
+    old = read_manifest(out)
+    if old is not None:
         if {k: old.get(k) for k in settings} != settings or old.get("answers", "target") != answers:
             raise JetFlowError(f"{out} holds a regeneration with other settings ({old.get('sources')}, "
                                f"{old.get('num_prompts')} prompts); use a new --out directory")
     manifest = {**settings, "shards": {}, "wall_seconds": 0.0}
-    if manifest_path.exists():
-        manifest.update({k: v for k, v in json.loads(manifest_path.read_text()).items() if k in ("shards", "wall_seconds")})
+    if old is not None:
+        manifest.update({k: v for k, v in old.items() if k in ("shards", "wall_seconds")})
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress)
     for index in range(num_shards):

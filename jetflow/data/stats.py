@@ -8,13 +8,12 @@ text their draft vocabulary covers: a reduced-vocabulary head never proposes the
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from jetflow.data.shards import check_distinct, list_shards, read_shard
+from jetflow.data.shards import check_distinct, list_shards, read_manifest, read_shard
 from jetflow.errors import JetFlowError
 
 
@@ -37,10 +36,12 @@ def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = 
     per_dir = {}
     check_distinct(dirs)
     for d in dirs:
+        if not d.is_dir():
+            raise JetFlowError(f"--data {d}: " + ("is a file, not a data directory" if d.exists() else "not found"))
         shards = list_shards(d)
         if not shards:
             raise JetFlowError(f"{d} holds no token shards (shard-NNNNN.npz): not a `jetflow regenerate` output")
-        manifest = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").is_file() else {}
+        manifest = read_manifest(d) or {}
         records = manifest.get("shards", {})
         seconds = sum(r.get("seconds", 0.0) for r in records.values())
         tokens = sum(r.get("answer_tokens", 0) for r in records.values())
@@ -59,7 +60,7 @@ def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = 
                            "backends": sorted({r["backend"] for r in records.values() if "backend" in r}),
                            "answer_tokens_per_s": tokens / seconds if seconds else None}
     total = sum(answer_tokens.values())
-    return {"sequences": sum(sequences.values()), "answer_tokens": total,
+    return {"sequences": sum(sequences.values()), "answer_tokens": total, "long_answer": long_answer,
             f"answers_of_{long_answer}_tokens_or_more": sum(long_answers.values()),
             "sources": {src: {"sequences": sequences[src], "answer_tokens": answer_tokens[src],
                               "share": answer_tokens[src] / total if total else 0.0,
@@ -74,10 +75,13 @@ def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = 
 
 
 def format_stats(stats: dict) -> str:
-    lines = [f"{stats['sequences']} sequences, {stats['answer_tokens']:,} answer tokens", "",
-             "| source | sequences | answer tokens | share |", "|---|---|---|---|"]
+    n = stats["long_answer"]
+    lines = [f"{stats['sequences']} sequences, {stats['answer_tokens']:,} answer tokens, "
+             f"{stats[f'answers_of_{n}_tokens_or_more']} answers of {n}+ tokens", "",
+             f"| source | sequences | answer tokens | share | answers of {n}+ tokens |", "|---|---|---|---|---|"]
     for src, row in stats["sources"].items():
-        lines.append(f"| {src} | {row['sequences']} | {row['answer_tokens']:,} | {row['share']:.1%} |")
+        lines.append(f"| {src} | {row['sequences']} | {row['answer_tokens']:,} | {row['share']:.1%} "
+                     f"| {row[f'answers_of_{n}_or_more']} |")
     lines.append("")
     for d, row in stats["directories"].items():
         rate = row["answer_tokens_per_s"]

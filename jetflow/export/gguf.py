@@ -69,10 +69,20 @@ def gguf_tensors(head: DraftHead, dtype: torch.dtype, lm_head_weight: torch.Tens
     return out
 
 
+def _read_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``; JetFlowError when it is not a readable GGUF file."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # (the reader raises ValueError, OSError, ... on a cut or foreign file)
+        raise JetFlowError(f"{path} is not a readable GGUF file: {e}") from None
+
+
 def _copy_tokenizer(writer, target_gguf: Path) -> None:
     import gguf
 
-    reader = gguf.GGUFReader(target_gguf)
+    reader = _read_gguf(target_gguf)
     copied = 0
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
@@ -98,9 +108,7 @@ def target_gguf_for(spec: str | None) -> Path:
 
 def _check_target_gguf(config, target_gguf: Path) -> None:
     """Refuse a target GGUF whose sizes differ from the ones the head was built for."""
-    import gguf
-
-    reader = gguf.GGUFReader(target_gguf)
+    reader = _read_gguf(target_gguf)
     arch = reader.fields["general.architecture"].contents()
     meta = {"hidden_size": f"{arch}.embedding_length", "num_hidden_layers": f"{arch}.block_count"}
     have = {k: reader.fields[v].contents() for k, v in meta.items() if v in reader.fields}

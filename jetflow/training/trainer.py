@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from jetflow.data.shards import Sequence, check_distinct, list_shards, read_shard
+from jetflow.data.shards import Sequence, check_distinct, list_shards, read_manifest, read_shard
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import new_head
 from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig
@@ -168,10 +168,9 @@ def data_label(data: str | Path | list[str | Path]) -> str:
 
 
 def _directory_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
-    manifest_file = data_dir / "manifest.json"
-    if not manifest_file.is_file():
+    manifest = read_manifest(data_dir)
+    if manifest is None:
         raise JetFlowError(f"{data_dir} has no manifest.json: not a `jetflow regenerate` output")
-    manifest = json.loads(manifest_file.read_text())
     made_for = manifest.get("target", {})
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if made_for.get(key) != target.identity()[key]:

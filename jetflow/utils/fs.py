@@ -90,12 +90,22 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file so readers see the old or the new content, never a torn one."""
+    """Write a text file so readers see the old or the new content, never a torn one (staged in a
+    temporary file of its own, so no file of the user's is overwritten on the way). A path that
+    cannot be written raises OSError and leaves nothing behind."""
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(text)
+
+
+def check_writable_file(path: Path) -> None:
+    """JetFlowError when ``path`` is a directory (or sits below a file): a report could not be
+    written there. Run it before a long job that ends in writing one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    if path.is_dir():
+        raise JetFlowError(f"{path} is a directory, not a file")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise JetFlowError(f"{path} cannot be written: {parent} is a file")
 
 
 @contextlib.contextmanager
