@@ -19,14 +19,14 @@ from jetflow.eval.datasets import load_eval_set
 
 
 def report(tag: str, decoder, kinds: collections.Counter) -> None:
-    budget, cal = decoder.adaptive_budget(), decoder.drafter.calibration
+    budget, cal, pooled = decoder.adaptive_budget(), decoder.drafter.rates, decoder.drafter.calibration
     print(f"== {tag}: rounds {dict(kinds)}  verify scale (plain, trees) {np.round(budget.verify_scales(), 3).tolist()}  "
           f"plain step {1 / budget.plain_rate():.2f} ms  verify of 1 / 3 nodes {budget.verify_cost(1):.2f} / "
           f"{budget.verify_cost(3):.2f} ms", flush=True)
-    for ngram in range(1, cal.trials.shape[0]):
-        print(f"   match length {ngram}: rates d1-4 {np.round(cal.rates(ngram, 4), 3).tolist()}  "
-              f"trials d1-3 {np.round(cal.trials[ngram, 1:4], 1).tolist()}", flush=True)
-    scores = [0.0, *np.cumsum(cal.log_rates(cal.trials.shape[0] - 1, 5)).tolist()]
+    for row in range(1, pooled.trials.shape[0]):  # (rows: match lengths, mixed_drafter.MATCH_ROW_STARTS)
+        print(f"   row {row}: rates d1-4 {np.round(cal.rates(row, 4), 3).tolist()}  "
+              f"pooled trials d1-3 {np.round(pooled.trials[row, 1:4], 1).tolist()}", flush=True)
+    scores = [0.0, *np.cumsum(cal.log_rates(pooled.trials.shape[0] - 1, 5)).tolist()]
     print(f"   a 5-token chain of the longest match: best prefix (nodes, tokens, ms) "
           f"{budget._best_chain_prefix(scores)}", flush=True)
 

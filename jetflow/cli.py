@@ -65,7 +65,8 @@ def _device_and_dtype(args):
 
     from jetflow.models.loading import default_device_and_dtype
 
-    device, dtype = default_device_and_dtype(args.device, getattr(torch, args.dtype) if args.dtype else None)
+    device, dtype = default_device_and_dtype(args.device, getattr(torch, args.dtype) if args.dtype else None,
+                                             getattr(args, "backend", "auto"))
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
@@ -87,14 +88,25 @@ def _load_jetflow(args):
                                    auto_state=_auto_state_dir(args.auto_state))
 
 
-def _new_checkpoint_dir(out, source, overwrite: bool) -> None:
+def _new_checkpoint_dir(out, source, overwrite: bool, replaceable, in_place: bool = False) -> None:
     """--out of a command that writes a checkpoint made from ``source``: a directory that already
-    holds one (other than ``source`` itself) is replaced only with --overwrite, so another head is
-    never lost to a mistyped path. Checked before the model loads."""
+    holds one is replaced only with --overwrite (and ``source`` itself only where the command
+    rewrites in place), so another head is never lost to a mistyped path; even then it may hold
+    nothing but ``replaceable`` (what the command writes). Checked before the model loads."""
+    from jetflow.utils.fs import check_replaceable
+
     out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and out.resolve() != Path(source).resolve() and not overwrite:
-        raise JetFlowError(f"--out {out} already holds files (a checkpoint?); --overwrite replaces it, "
-                           "or choose a new directory")
+    if out.exists() and not out.is_dir():
+        raise JetFlowError(f"--out {out} is a file, not a directory")
+    if out.exists() and out.resolve() == Path(source).resolve():
+        if in_place:
+            return
+        raise JetFlowError(f"--out {out} is the --drafter itself; write to another directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise JetFlowError(f"--out {out} already holds files (a checkpoint?); --overwrite replaces it, "
+                               "or choose a new directory")
+        check_replaceable(out, replaceable)
 
 
 def _report_file(path) -> None:
@@ -410,8 +422,9 @@ def cmd_calibrate(args) -> int:
     if not args.held_out and not args.sequences:
         raise JetFlowError("say which sequences the head was not trained on: --held-out (the split `jetflow train` "
                            "held out, with its --seed) or --sequences START:END")
-    if args.out is not None:
-        _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
+    if args.out is not None:  # (the calibrated copy holds the drafter's own files)
+        _new_checkpoint_dir(args.out, args.drafter, args.overwrite, [f.name for f in Path(args.drafter).iterdir()],
+                            in_place=True)
     _report_file(args.report)
     target = _load_jetflow_target(args, training=True)
     report = calibrate_drafter(target, args.drafter, args.data, args.out or args.drafter,
@@ -428,10 +441,12 @@ def cmd_draft_vocab(args) -> int:
 
     if not Path(args.drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    from jetflow.models.draft_head import CHECKPOINT_FILES
+
     if Path(args.out).resolve() == Path(args.drafter).resolve():
         raise JetFlowError("--out must be a new directory (the widened head drops the tree calibration; "
                            "run `jetflow calibrate --out` on it afterwards)")
-    _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
+    _new_checkpoint_dir(args.out, args.drafter, args.overwrite, CHECKPOINT_FILES)
     target = _load_jetflow_target(args, training=True)
     if args.size > target.vocab_size:
         raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "
@@ -506,11 +521,11 @@ def cmd_serve(args) -> int:
 def cmd_export_vllm(args) -> int:
     import torch
 
-    from jetflow.export.vllm import export_vllm, speculative_config
+    from jetflow.export.vllm import EXPORT_FILES, export_vllm, speculative_config
 
     if not Path(args.drafter).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
-    _new_checkpoint_dir(args.out, args.drafter, args.overwrite)
+    _new_checkpoint_dir(args.out, args.drafter, args.overwrite, EXPORT_FILES)
     out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
     print(json.dumps({"out": str(out), "speculative_config": speculative_config(out)}))
     return 0
@@ -752,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--size", type=_non_negative_int, required=True,
                    help="new number of draft ids (0: the whole target vocabulary)")
     w.add_argument("--out", required=True, help="directory for the widened head (then `jetflow calibrate` it)")
-    w.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
+    w.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
     w.set_defaults(func=cmd_draft_vocab)
     k = sub.add_parser("calibrate", help="fit a block head's tree calibration (draft log-prob -> acceptance "
                                          "log-prob, per depth) on held-out regenerated sequences")
@@ -770,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the calibrated checkpoint here (default: replace --drafter's config.json in place; "
                         "the weights are copied untouched)")
     k.add_argument("--report", type=Path, default=None, help="write the fit (curves, sequences) as JSON here")
-    k.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
+    k.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
     k.set_defaults(func=cmd_calibrate)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
                                               "every answer position of held-out regenerated sequences")
@@ -856,7 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--target", default=None, help="the head's target (default: the one its config names); "
                                                   "read only for a reduced vocabulary, to copy its LM-head rows")
     x.add_argument("--out", required=True, type=Path)
-    x.add_argument("--overwrite", action="store_true", help="replace what --out already holds")
+    x.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export_vllm)
     g = sub.add_parser("export-gguf", help="write a block head as a DFlash GGUF that llama.cpp's speculative driver runs")

@@ -120,7 +120,7 @@ class JetFlow:
         ``drafter``: a checkpoint directory, a DraftHead, None/"none" for plain decoding, or "auto":
         the drafter shipped with JetFlow for this target when there is one."""
         if target is None or isinstance(target, (str, Path)):
-            device, dtype = default_device_and_dtype(device, dtype)
+            device, dtype = default_device_and_dtype(device, dtype, backend)
             target = load_target(target, backend=backend, device=device, dtype=dtype, n_threads=n_threads,
                                  flash_attn=flash_attn)
         head, path = drafter, None

@@ -265,7 +265,7 @@ def test_cache_and_train_on_several_data_directories(tiny_dir, tmp_path, capsys)
     assert main(["data-stats", "--data", str(tmp_path / "cache")]) == 2 and "no token shards" in capsys.readouterr().err
 
 
-def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys):
+def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys, monkeypatch):
     """regenerate -> cache-teacher (killed and resumed) -> train with the cache, a reduced vocabulary
     and snapshots; bad options are refused with a message."""
     prompts = tmp_path / "p.jsonl"
@@ -344,7 +344,16 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert "does not cover" in capsys.readouterr().err
     assert main(offline[:-6] + ["--sequences", "5:99"]) == 2 and "outside" in capsys.readouterr().err
     assert main(offline[:-4] + ["--budgets", "0"]) == 2 and "--budgets" in capsys.readouterr().err
+    import jetflow.eval.offline_acceptance as replay
+    from jetflow.decoding.mixed_drafter import MATCH_ROW_STARTS, REQUEST_PRIOR
+    from jetflow.eval.replay_journal import ReplayJournal
+
+    journals = []
+    monkeypatch.setattr(replay, "ReplayJournal", lambda path, settings: journals.append(settings)
+                        or ReplayJournal(path, settings))
     assert main(offline + ["--lookup"]) == 0  # head and lookup chain in one tree, as decoding builds them
+    # the journal records how chains are priced: one of an older pricing is refused, as other settings are
+    assert journals[-1]["lookup_pricing"] == {"rows": list(MATCH_ROW_STARTS), "request_prior": REQUEST_PRIOR}
     assert all(row["lookup"] for row in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
     assert main(offline + ["--lookup", "--anchors-per-seq", "4"]) == 2 and "lookup" in capsys.readouterr().err
     assert main(offline + ["--lookup-session"]) == 0  # the lookup counts carried across the sequences
@@ -506,6 +515,7 @@ def test_the_cli_and_the_python_api_pick_the_same_device_and_dtype(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_device_and_dtype() == ("cuda", torch.bfloat16)
+    assert default_device_and_dtype(backend="llamacpp") == ("cpu", torch.float32)  # llama.cpp runs on the CPU
     assert default_device_and_dtype("cpu") == ("cpu", torch.float32)
     assert default_device_and_dtype(None, torch.float16) == ("cuda", torch.float16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

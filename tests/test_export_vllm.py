@@ -94,6 +94,8 @@ def test_export_cli(tiny_dir, tmp_path, capsys):
     assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v")]) == 2
     assert "already holds files (a checkpoint?); --overwrite replaces it" in capsys.readouterr().err
     assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v"), "--overwrite"]) == 0
+    assert main(["export-vllm", "--drafter", str(src), "--out", str(src), "--overwrite"]) == 2  # not over the head
+    assert "is the --drafter itself" in capsys.readouterr().err
     (tmp_path / "runs" / "old-run").mkdir(parents=True)
     (tmp_path / "runs" / "notes.txt").write_text("precious")
     for out, message in ((tmp_path / "runs", "holds other files (notes.txt, old-run)"),

@@ -194,6 +194,8 @@ def test_request_calibration_shrinks_a_requests_counts_towards_the_pooled_rates(
     np.testing.assert_allclose(cal.log_rates(2, 6), np.log(np.clip(expected, 1e-9, 1.0)), rtol=1e-12)
     assert cal.rates(2, 1)[0] < pooled.rates(2, 1)[0]  # this request's failures count for more
     np.testing.assert_allclose(cal.rates(1, 6), pooled.rates(1, 6), rtol=1e-12)  # row 1: no own counts
+    with pytest.raises(ValueError, match="strength > 0"):
+        RequestCalibration(pooled, strength=0)
 
 
 def test_each_request_prices_chains_from_its_own_counts():
@@ -437,6 +439,12 @@ def test_lookup_index_grown_token_by_token_equals_lookup_match():
             want = lookup_match(np.array(committed + [anchor]), max_ngram, max_draft) if max_draft else \
                 (lookup_match(np.array(committed + [anchor]), max_ngram, 1)[0], [])
             assert index.match(anchor, max_draft) == want, (committed, anchor, max_ngram, max_draft)
+    passage = list(range(30)) * 2  # a repeated passage: the match length reaches its cap on both
+    index = LookupIndex()
+    for k in range(31, len(passage)):
+        index.sync(passage[:k])
+        assert index.match(passage[k], 4) == lookup_match(np.array(passage[:k + 1]), max_draft=4)
+    assert index.match(passage[-1], 4)[0] == MAX_MATCH
 
 
 def test_lookup_index_starts_again_on_another_sequence():

@@ -147,6 +147,32 @@ def test_replayed_rounds_with_lookup_equal_the_decoding_loop(target, sequences, 
         offline_acceptance(head, target, sequences, teacher, [0], [budget], width, anchors_per_seq=4, lookup=True)
 
 
+def test_the_replay_prices_lookup_chains_per_request_as_decoding_does(target, sequences, head, monkeypatch):
+    """Decoding prices chains with a RequestCalibration (each request's own counts shrunk towards
+    the pooled ones); the replay makes one per sequence, over a fresh pool or the session's."""
+    import jetflow.eval.offline_acceptance as replay
+    from jetflow.decoding.drafter import make_drafter
+    from jetflow.decoding.mixed_drafter import REQUEST_PRIOR, LookupCalibration, RequestCalibration
+
+    made = []
+
+    class Recording(RequestCalibration):
+        def __init__(self, pooled, *a, **kw):
+            super().__init__(pooled, *a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(replay, "RequestCalibration", Recording)
+    teacher = OnlineTeacher(target, None)
+    for session in (False, True):
+        made.clear()
+        offline_acceptance(head, target, sequences, teacher, [0, 1, 2], [4], 7, lookup=True, lookup_session=session)
+        assert len(made) == 3 and all(c.strength == REQUEST_PRIOR and c.pooled.trials.sum() > 0 for c in made)
+        assert (len({id(c.pooled) for c in made}) == 1) == session  # one pool carried over, or one per sequence
+    decoder = make_drafter(head, target, lookup=True)  # what JetFlow decodes with
+    assert isinstance(decoder.rates, RequestCalibration) and decoder.rates.strength == REQUEST_PRIOR
+    assert isinstance(decoder.calibration, LookupCalibration)
+
+
 @pytest.mark.parametrize("budget", [4, 16])
 def test_lookup_session_replay_equals_one_decoder_answering_in_order(target, sequences, head, budget):
     """--lookup-session: the lookup counts carry over from one sequence to the next, as in one

@@ -9,7 +9,6 @@ prompts of similar length and little padding. Each shard records the backend tha
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import torch
 from tqdm import tqdm
 
 from jetflow.data.prompts import Prompt
-from jetflow.data.shards import Sequence, read_manifest, shard_path, write_shard
+from jetflow.data.shards import REGENERATED, Sequence, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.errors import JetFlowError
 from jetflow.models.identity import model_identity
 from jetflow.models.backend import TargetBackend
-from jetflow.utils.fs import write_json_atomic
+from jetflow.utils.fs import read_manifest, write_json_atomic
 
 
 def dataset_answer(target: TargetBackend, text: str, max_new_tokens: int) -> list[int]:
@@ -52,7 +51,7 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
                 "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens}
     if answers != "target":  # only recorded when not the default, so older manifests still resume
         settings["answers"] = answers
-    old = read_manifest(out)
+    old = read_manifest(out, REGENERATED)
     if old is not None:
         if {k: old.get(k) for k in settings} != settings or old.get("answers", "target") != answers:
             raise JetFlowError(f"{out} holds a regeneration with other settings ({old.get('sources')}, "

@@ -50,25 +50,12 @@ def read_shard(path: Path) -> list[Sequence]:
             tokens, offsets, prompt_lens = z["tokens"], z["offsets"], z["prompt_lens"]
             ids = json.loads(str(z["ids"]))
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # (a cut or empty file)
-        raise JetFlowError(f"{path} is not a readable token shard: {e or type(e).__name__}") from None
+        raise JetFlowError(f"{path} is not a readable token shard: {str(e) or type(e).__name__}") from None
     return [Sequence(ids[i], tokens[offsets[i]:offsets[i + 1]].astype(np.int64).tolist(), int(prompt_lens[i]))
             for i in range(len(prompt_lens))]
 
 
-def read_manifest(data_dir: Path) -> dict | None:
-    """A data directory's ``manifest.json`` (None when it has none); JetFlowError when it is not a
-    JSON object."""
-    path = Path(data_dir) / "manifest.json"
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise JetFlowError(f"{path} is not readable JSON: {e}") from None
-    if not isinstance(manifest, dict):
-        raise JetFlowError(f"{path} is not a `jetflow regenerate` manifest (a JSON {type(manifest).__name__}, "
-                           "not an object)")
-    return manifest
+REGENERATED = "a `jetflow regenerate` manifest"  # what a data directory's manifest.json is (utils/fs.read_manifest)
 
 
 def check_distinct(dirs: list[Path]) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jetflow.data.shards import check_distinct, list_shards, read_manifest, read_shard
+from jetflow.data.shards import REGENERATED, check_distinct, list_shards, read_shard
+from jetflow.utils.fs import read_manifest
 from jetflow.errors import JetFlowError
 
 
@@ -41,7 +42,7 @@ def data_stats(dirs: list[Path], long_answer: int = 500, drafters: list[Path] = 
         shards = list_shards(d)
         if not shards:
             raise JetFlowError(f"{d} holds no token shards (shard-NNNNN.npz): not a `jetflow regenerate` output")
-        manifest = read_manifest(d) or {}
+        manifest = read_manifest(d, REGENERATED) or {}
         records = manifest.get("shards", {})
         seconds = sum(r.get("seconds", 0.0) for r in records.values())
         tokens = sum(r.get("answer_tokens", 0) for r in records.values())

@@ -12,7 +12,7 @@ from jetflow.tree.build import DraftTree
 
 MAX_NGRAM = 3
 MAX_DRAFT = 10  # transformers' prompt_lookup_num_tokens default
-# How far back a match is measured (beyond the n-gram that found it): the longer the context that
+# How far back a match is measured, at most (the n-gram that found it included): the longer the context that
 # matched, the further the target tends to follow the copy (SmolLM2 on the five headline sets: 0.85
 # tokens followed on average after a 1-token match, 2.9 after 3, 4.9 after 6, 15.5 after 20 or more;
 # docs/results.md, "Lookup chains priced by how much context matched").

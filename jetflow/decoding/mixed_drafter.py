@@ -69,7 +69,23 @@ def chain_followed(chain: list[int], tree: DraftTree, path: list[int]) -> int:
     return common_prefix(chain, [tree.tokens[n] for n in path[1:]])
 
 
-class LookupCalibration:
+class _DepthRates:
+    """``rates`` and ``log_rates`` from a subclass's ``_depth_rates(row)``: (rates, their logs) at
+    every depth."""
+
+    def rates(self, row: int, depth: int) -> np.ndarray:
+        """Each depth's estimate less one standard error. Chains are taken where their estimate is
+        high, so an unbiased estimate would be too high for the chains taken (and where lookup
+        barely pays, as on llama.cpp for text that copies little, that costs speed); with more
+        trials the margin shrinks."""
+        return np.array(self._depth_rates(row)[0][:depth])
+
+    def log_rates(self, row: int, depth: int) -> list[float]:
+        """``log_probs(rates(row, depth))``."""
+        return self._depth_rates(row)[1][:depth]
+
+
+class LookupCalibration(_DepthRates):
     """P(target accepts the lookup token at depth d | it accepted the one before), per row (a range
     of match lengths, :func:`match_row`).
 
@@ -91,17 +107,6 @@ class LookupCalibration:
         self.trials = np.zeros((rows, max_depth + 1))
         self._rates: dict[int, tuple] = {}  # row -> (rates, logs, point estimates, trials)
         self.version = 0  # counts observe() calls: rates() may differ once it changes
-
-    def rates(self, row: int, depth: int) -> np.ndarray:
-        """Each depth's estimate less one standard error. Chains are taken where their estimate is
-        high, so an unbiased estimate would be too high for the chains taken (and where lookup
-        barely pays, as on llama.cpp for text that copies little, that costs speed); with more
-        trials the margin shrinks."""
-        return np.array(self._depth_rates(row)[0][:depth])
-
-    def log_rates(self, row: int, depth: int) -> list[float]:
-        """``log_probs(rates(row, depth))``."""
-        return self._depth_rates(row)[1][:depth]
 
     def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
         """(rates, their logs) at every depth."""
@@ -151,7 +156,7 @@ class LookupCalibration:
                 self.hits[row, d] *= shrink
 
 
-class RequestCalibration:
+class RequestCalibration(_DepthRates):
     """Lookup rates for one request: its own counts, shrunk towards a pooled calibration's rates.
 
     How often the target follows a copy depends on the request (a proof that restates the problem's
@@ -163,10 +168,12 @@ class RequestCalibration:
     the pooled rate until the request has evidence of its own. Every count goes to both."""
 
     def __init__(self, pooled: LookupCalibration, strength: float = REQUEST_PRIOR):
+        if not strength > 0:
+            raise ValueError(f"a request calibration needs strength > 0 (pseudo-trials), got {strength}")
         self.pooled, self.strength = pooled, strength
-        self.own = LookupCalibration(pooled.hits.shape[0], pooled.hits.shape[1] - 1, prior=pooled.prior)
-        self._requests = 0
+        self._requests = -1
         self._rates: dict[int, tuple[tuple, list[float], list[float]]] = {}  # row -> (version, rates, logs)
+        self.start_request()
 
     @property
     def version(self) -> tuple[int, int, int]:
@@ -175,19 +182,14 @@ class RequestCalibration:
 
     def start_request(self) -> None:
         """Forget the own counts: a new request begins."""
-        self.own = LookupCalibration(self.own.hits.shape[0], self.own.hits.shape[1] - 1, prior=self.pooled.prior)
+        rows, depths = self.pooled.hits.shape
+        self.own = LookupCalibration(rows, depths - 1, prior=self.pooled.prior)
         self._requests += 1
         self._rates.clear()
 
     def observe(self, row: int, verified: int, accepted: int) -> None:
         self.pooled.observe(row, verified, accepted)
         self.own.observe(row, verified, accepted)
-
-    def rates(self, row: int, depth: int) -> np.ndarray:
-        return np.array(self._depth_rates(row)[0][:depth])
-
-    def log_rates(self, row: int, depth: int) -> list[float]:
-        return self._depth_rates(row)[1][:depth]
 
     def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
         version, cached = self.version, self._rates.get(row)

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
-from jetflow.decoding.mixed_drafter import (MAX_CHAIN, LookupCalibration, MixedProposal, PendingChains, RequestCalibration,
-                                             chain_followed, match_row)
+from jetflow.decoding.mixed_drafter import (MATCH_ROW_STARTS, MAX_CHAIN, REQUEST_PRIOR, LookupCalibration, MixedProposal,
+                                             PendingChains, RequestCalibration, chain_followed, match_row)
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.eval.replay_journal import ReplayJournal
@@ -337,7 +337,7 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
             for arm in [*budgets, CHAIN]:
                 lookup_rates = None
                 if lookup and arm != CHAIN:  # one per request, or one for the whole session
-                    lookup_rates = RequestCalibration(session[arm]) if session is not None else LookupCalibration()
+                    lookup_rates = RequestCalibration(session[arm] if session is not None else LookupCalibration())
                 pending = PendingChains(lookup_rates) if lookup_rates is not None else None
                 a = previous = seq.prompt_len
                 while a <= last:
@@ -413,6 +413,8 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
             **header, "tokens": tokens_digest(sequences[start:end]), "refine": refine, "lookup": lookup,
             "lookup_session": lookup_session, "calibrated": calibrated, "target": target.name,
             "dtype": str(target.dtype).removeprefix("torch."),
+            # how lookup chains are priced (a journal of another pricing holds other depths)
+            **({"lookup_pricing": {"rows": list(MATCH_ROW_STARTS), "request_prior": REQUEST_PRIOR}} if lookup else {}),
             "drafters": {str(path): head_fingerprint(path) for path in drafters}})
     if book is not None and any(book.done(str(path)) for path in drafters):
         log(f"resuming from {book.path}: " + ", ".join(f"{path}: {book.done(str(path))} sequences done"

@@ -109,6 +109,8 @@ def target_gguf_for(spec: str | None) -> Path:
 def _check_target_gguf(config, target_gguf: Path) -> None:
     """Refuse a target GGUF whose sizes differ from the ones the head was built for."""
     reader = _read_gguf(target_gguf)
+    if "general.architecture" not in reader.fields:
+        raise JetFlowError(f"{target_gguf} has no general.architecture: not a model GGUF")
     arch = reader.fields["general.architecture"].contents()
     meta = {"hidden_size": f"{arch}.embedding_length", "num_hidden_layers": f"{arch}.block_count"}
     have = {k: reader.fields[v].contents() for k, v in meta.items() if v in reader.fields}

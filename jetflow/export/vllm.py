@@ -26,6 +26,7 @@ from jetflow.models.draft_head import DraftHead, DraftHeadConfig, check_compatib
 from jetflow.utils.fs import replace_directory
 
 ARCHITECTURE = "DFlashDraftModel"
+EXPORT_FILES = ("config.json", "model.safetensors")  # what an export writes (and may replace)
 
 
 def unsupported(config: DraftHeadConfig) -> list[str]:
@@ -146,7 +147,7 @@ def export_vllm(drafter: str | Path, out: str | Path, dtype: torch.dtype = torch
     cfg = vllm_config(head.config, dtype)
     state = vllm_state_dict(head, dtype, lm_head)
     validate(cfg, state)
-    with replace_directory(Path(out), ("config.json", "model.safetensors")) as tmp:
+    with replace_directory(Path(out), EXPORT_FILES) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     validate(json.loads((Path(out) / "config.json").read_text()), load_file(Path(out) / "model.safetensors"))

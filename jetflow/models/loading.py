@@ -31,12 +31,13 @@ def choose_backend(spec: str | None, backend: str, device: str | torch.device = 
     return "llamacpp" if on_cpu and llamacpp_available() and locate_gguf(spec) is not None else "torch"
 
 
-def default_device_and_dtype(device: str | torch.device | None = None,
-                             dtype: torch.dtype | None = None) -> tuple[str | torch.device, torch.dtype]:
-    """``device`` or cuda when there is one, else cpu; ``dtype`` or float32 on the CPU, bfloat16 on
-    a GPU (what the CLI and ``JetFlow.from_pretrained`` pick when not told)."""
+def default_device_and_dtype(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                             backend: str = "auto") -> tuple[str | torch.device, torch.dtype]:
+    """``device`` or cuda when there is one (and the backend is not llama.cpp, which runs on the
+    CPU here), else cpu; ``dtype`` or float32 on the CPU, bfloat16 on a GPU (what the CLI and
+    ``JetFlow.from_pretrained`` pick when not told)."""
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() and backend != "llamacpp" else "cpu"
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return device, dtype

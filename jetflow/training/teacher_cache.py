@@ -19,7 +19,6 @@ Every part records a digest of its sequences' tokens: a cache is only used with 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -33,9 +32,10 @@ from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
 from jetflow.models.identity import model_identity
 from jetflow.models.target import TargetModel
-from jetflow.utils.fs import write_json_atomic
+from jetflow.utils.fs import read_manifest, write_json_atomic
 
 FORMAT = "jetflow-teacher-cache/1"
+TEACHER_CACHE = "a `jetflow cache-teacher` manifest"
 
 
 def tokens_digest(sequences: list[Sequence]) -> str:
@@ -87,8 +87,8 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
                 "top_k": top_k, "sequences_per_part": sequences_per_part, "source": source}
     manifest_path = out / "manifest.json"
     manifest = {**settings, "parts": {}, "wall_seconds": 0.0}
-    if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
+    old = read_manifest(out, TEACHER_CACHE)
+    if old is not None:
         if {k: old.get(k) for k in settings if k != "source"} != {k: v for k, v in settings.items() if k != "source"}:
             raise JetFlowError(f"{out} holds a teacher cache with other settings (target, tapped layers, top_k "
                                f"or part size); use a new output directory")
@@ -175,10 +175,9 @@ class TeacherCache:
 
     @staticmethod
     def read_manifest(cache_dir: str | Path) -> dict:
-        path = Path(cache_dir) / "manifest.json"
-        if not path.is_file():
+        m = read_manifest(cache_dir, TEACHER_CACHE)
+        if m is None:
             raise JetFlowError(f"{cache_dir} has no manifest.json: not a `jetflow cache-teacher` output")
-        m = json.loads(path.read_text())
         if m.get("format") != FORMAT:
             raise JetFlowError(f"{cache_dir} is not a teacher cache of format {FORMAT}")
         return m

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from jetflow.data.shards import Sequence, check_distinct, list_shards, read_manifest, read_shard
+from jetflow.data.shards import REGENERATED, Sequence, check_distinct, list_shards, read_shard
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import new_head
 from jetflow.models.draft_head import HEAD_KINDS, DraftHead, DraftHeadConfig
@@ -31,7 +31,7 @@ from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
 from jetflow.training.teacher_cache import TeacherCache, tokens_digest
-from jetflow.utils.fs import replace_directory, write_text_atomic
+from jetflow.utils.fs import read_manifest, replace_directory, write_text_atomic
 
 # Head kind -> the loss of each sequence of a micro-batch (the block head drafts all depths at once;
 # the EAGLE head is unrolled).
@@ -168,7 +168,7 @@ def data_label(data: str | Path | list[str | Path]) -> str:
 
 
 def _directory_sequences(data_dir: Path, target: TargetModel) -> list[Sequence]:
-    manifest = read_manifest(data_dir)
+    manifest = read_manifest(data_dir, REGENERATED)
     if manifest is None:
         raise JetFlowError(f"{data_dir} has no manifest.json: not a `jetflow regenerate` output")
     made_for = manifest.get("target", {})

@@ -75,6 +75,21 @@ def check_replaceable(final: Path, replaceable: Collection[str]) -> None:
                            "refusing to replace it: choose a new or empty directory")
 
 
+def read_manifest(directory: Path, what: str) -> dict | None:
+    """``directory/manifest.json`` (None when there is none); JetFlowError when it is not a JSON
+    object (``what``: what the manifest should be, for the message)."""
+    path = Path(directory) / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise JetFlowError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise JetFlowError(f"{path} is not {what} (a JSON {type(manifest).__name__}, not an object)")
+    return manifest
+
+
 def file_digest(path: Path) -> str:
     """A short sha256 of a file's bytes (cache keys, checkpoint identity)."""
     h = hashlib.sha256()
@@ -92,20 +107,23 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a text file so readers see the old or the new content, never a torn one (staged in a
     temporary file of its own, so no file of the user's is overwritten on the way). A path that
-    cannot be written raises OSError and leaves nothing behind."""
+    cannot be written raises OSError and leaves no partial or staging file behind."""
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(text)
 
 
 def check_writable_file(path: Path) -> None:
-    """JetFlowError when ``path`` is a directory (or sits below a file): a report could not be
-    written there. Run it before a long job that ends in writing one."""
+    """JetFlowError when a report could not be written at ``path``: a directory is there, or the
+    nearest existing directory above it is a file or not writable. Run it before a long job that
+    ends in writing one."""
     path = Path(path)
     if path.is_dir():
         raise JetFlowError(f"{path} is a directory, not a file")
-    parent = next((p for p in path.parents if p.exists()), None)
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise JetFlowError(f"{path} cannot be written: {parent} is a file")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        raise JetFlowError(f"{path} cannot be written: {parent} is not writable")
 
 
 @contextlib.contextmanager
