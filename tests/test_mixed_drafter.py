@@ -200,7 +200,8 @@ def test_request_calibration_shrinks_a_requests_counts_towards_the_pooled_rates(
 
 def test_each_request_prices_chains_from_its_own_counts():
     """MixedDrafter: a new request (reset) starts from the pooled counts alone, and its price key
-    changes; a fork keeps the setting; request_prior=None prices by the pooled counts."""
+    changes; a fork (a batch's request) shares the pooled counts and keeps its own; request_prior=None
+    prices by the pooled counts."""
     drafter = MixedDrafter(_Primary(), _History())
     assert isinstance(drafter.rates, RequestCalibration) and drafter.rates.pooled is drafter.calibration
     key = drafter.propose_lookup(3, 100).scores_key
@@ -209,9 +210,13 @@ def test_each_request_prices_chains_from_its_own_counts():
     drafter.reset()
     assert drafter.rates.own.trials.sum() == 0 and drafter.calibration.trials.sum() == 1
     assert drafter.propose_lookup(3, 100).scores_key != key
-    assert isinstance(drafter.fork(_History()).rates, RequestCalibration)
+    fork = drafter.fork(_History())
+    assert isinstance(fork.rates, RequestCalibration) and fork.calibration is drafter.calibration
+    assert fork.rates is not drafter.rates
+    fork.rates.observe(3, 2, 2)  # counted into the shared pool, and into the fork's own request only
+    assert drafter.calibration.trials.sum() == 3 and drafter.rates.own.trials.sum() == 0
     pooled_only = MixedDrafter(_Primary(), _History(), request_prior=None)
-    assert pooled_only.rates is pooled_only.calibration and pooled_only.fork(_History()).rates is not pooled_only.rates
+    assert pooled_only.rates is pooled_only.calibration and pooled_only.fork(_History()).rates is pooled_only.calibration
 
 
 def test_a_windowed_calibration_follows_a_change_of_text():

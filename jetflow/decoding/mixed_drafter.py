@@ -300,14 +300,16 @@ class MixedDrafter:
     """A head's drafter with prompt lookup merged into its trees (the :class:`Drafter` interface)."""
 
     def __init__(self, primary, target, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_CHAIN,
-                 request_prior: float | None = REQUEST_PRIOR):
+                 request_prior: float | None = REQUEST_PRIOR, pooled: LookupCalibration | None = None):
         """``request_prior``: chains priced per request (:class:`RequestCalibration`, with that many
-        pseudo-trials of the pooled rates); None: by the pooled counts alone."""
+        pseudo-trials of the pooled rates); None: by the pooled counts alone. ``pooled``: the pooled
+        counts to share (a fork's: its template's); None: counts of its own."""
         self.primary, self.target = primary, target
         self.head, self.block_size = primary.head, primary.block_size
         self.int8, self.lookup = getattr(primary, "int8", False), True  # (what the cost cache is keyed on)
         self.max_ngram, self.max_draft, self.request_prior = max_ngram, max_draft, request_prior
-        self.calibration = LookupCalibration(MATCH_ROWS, max_draft, window=LOOKUP_WINDOW)  # pooled over requests
+        # pooled over requests (one decoder's in turn, or a batch's side by side)
+        self.calibration = pooled if pooled is not None else LookupCalibration(MATCH_ROWS, max_draft, window=LOOKUP_WINDOW)
         # what prices chains and counts them into the pooled calibration
         self.rates = self.calibration if request_prior is None else RequestCalibration(self.calibration, request_prior)
         # (calibration row, chain, where its first token goes) of the latest proposal, until a verify
@@ -318,8 +320,11 @@ class MixedDrafter:
         self.index = LookupIndex(max_ngram)  # n-grams of the target's committed tokens
 
     def fork(self, target) -> "MixedDrafter":
-        """The same for another sequence: the head drafter forked, lookup counts of its own."""
-        return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft, self.request_prior)
+        """The same for another sequence (a batch's request): the head drafter forked, the pooled
+        lookup counts shared, so a batching server learns from every request it served as a
+        single stream does; the request's own counts are its own."""
+        return MixedDrafter(self.primary.fork(target), target, self.max_ngram, self.max_draft, self.request_prior,
+                            pooled=self.calibration)
 
     def reset(self) -> None:
         if self._pending.chains:  # the last batch, counted against the tokens the latest proposal saw
