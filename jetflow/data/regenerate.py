@@ -19,7 +19,7 @@ from jetflow.data.prompts import Prompt
 from jetflow.data.shards import REGENERATED, Sequence, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.errors import JetFlowError
-from jetflow.models.identity import model_identity
+from jetflow.models.identity import model_identity, settings_conflict
 from jetflow.models.backend import TargetBackend
 from jetflow.utils.fs import read_manifest, write_json_atomic
 
@@ -53,9 +53,12 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
         settings["answers"] = answers
     old = read_manifest(out, REGENERATED)
     if old is not None:
-        if {k: old.get(k) for k in settings} != settings or old.get("answers", "target") != answers:
-            raise JetFlowError(f"{out} holds a regeneration with other settings ({old.get('sources')}, "
-                               f"{old.get('num_prompts')} prompts); use a new --out directory")
+        conflict = settings_conflict(old, settings)
+        if conflict is None and old.get("answers", "target") != answers:
+            conflict = f"answers: {old.get('answers', 'target')!r} against {answers!r}"
+        if conflict is not None:
+            raise JetFlowError(f"{out} holds a regeneration with other settings ({conflict}); "
+                               "use a new --out directory")
     manifest = {**settings, "shards": {}, "wall_seconds": 0.0}
     if old is not None:
         manifest.update({k: v for k, v in old.items() if k in ("shards", "wall_seconds")})

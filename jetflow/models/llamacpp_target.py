@@ -15,6 +15,7 @@ the output of decoder layer t is tap t + 1. One row per batch token.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.gguf_meta import gguf_file_type
+from jetflow.models.identity import weights_fingerprint
 from jetflow.tree.build import main_chain_nodes
 from jetflow.tree.mask import check_parents, is_chain, tree_depths
 
@@ -264,7 +266,12 @@ class LlamaCppTarget(OwnsLlamaContext):
     def identity(self) -> dict:
         return {"name": self.name, "model_type": self._shape.model_type, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers, "backend": self.backend,
-                "dtype": gguf_file_type(self.gguf)}
+                "dtype": gguf_file_type(self.gguf), "weights": self.weights}
+
+    @functools.cached_property
+    def weights(self) -> str:
+        """Names the GGUF's weights (models/identity.py), as the torch runtime names its conversion."""
+        return weights_fingerprint(self.gguf)
 
     def stop_token_ids(self) -> set[int]:
         return set(self._stop_ids)

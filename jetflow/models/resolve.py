@@ -120,7 +120,8 @@ def _packaged_gguf(name: str, entry: PackagedGGUF) -> Path:
 def convert_gguf(gguf: Path, name: str | None = None) -> Path:
     """Dequantize ``gguf`` into a cached safetensors model directory (once) and return its path."""
     gguf = Path(gguf).resolve()
-    out = cache_root() / "models" / f"{name or gguf.stem}-{file_digest(gguf)}"
+    digest = file_digest(gguf)
+    out = cache_root() / "models" / f"{name or gguf.stem}-{digest}"
     if (out / "config.json").is_file():
         return out
     try:
@@ -142,7 +143,8 @@ def convert_gguf(gguf: Path, name: str | None = None) -> Path:
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "jetflow_source.json").write_text(json.dumps({"gguf": str(gguf), "name": name or gguf.stem}))
+        (tmp / "jetflow_source.json").write_text(json.dumps({"gguf": str(gguf), "name": name or gguf.stem,
+                                                             "digest": digest}))
     return out
 
 

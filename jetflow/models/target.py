@@ -23,6 +23,7 @@ from jetflow.errors import InvalidRequestError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.few_row_linear import use_few_row_linear
 from jetflow.models.gqa_attention import use_packed_gqa
+from jetflow.models.identity import weights_fingerprint
 from jetflow.models.kv_cache import PreallocatedCache
 from jetflow.models.resolve import ResolvedModel, resolve_model
 from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
@@ -57,6 +58,7 @@ class TargetModel:
         prefill_chunk: int = 1024,
     ):
         self.model = model.eval().requires_grad_(False)
+        self.weights: str | None = None  # names the weights when loaded from a path (models/identity.py)
         use_packed_gqa(self.model)  # tree and batched verifies without copying the cache per layer
         self.linear_form = use_few_row_linear(self.model)  # few-row products as W @ x^T where faster
         self.tokenizer = tokenizer
@@ -98,7 +100,9 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(
             resolved.path, dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
-        return cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
+        target = cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
+        target.weights = weights_fingerprint(resolved.path)
+        return target
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +122,7 @@ class TargetModel:
             "num_hidden_layers": self.num_layers,
             "backend": self.backend,
             "dtype": str(self.dtype).removeprefix("torch."),
+            **({"weights": self.weights} if self.weights else {}),
         }
 
     def shape(self) -> TargetShape:

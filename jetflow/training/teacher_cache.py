@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
-from jetflow.models.identity import model_identity
+from jetflow.models.identity import identity_conflict, model_identity, settings_conflict
 from jetflow.models.target import TargetModel
 from jetflow.utils.fs import read_manifest, write_json_atomic
 
@@ -89,9 +89,10 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
     manifest = {**settings, "parts": {}, "wall_seconds": 0.0}
     old = read_manifest(out, TEACHER_CACHE)
     if old is not None:
-        if {k: old.get(k) for k in settings if k != "source"} != {k: v for k, v in settings.items() if k != "source"}:
-            raise JetFlowError(f"{out} holds a teacher cache with other settings (target, tapped layers, top_k "
-                               f"or part size); use a new output directory")
+        conflict = settings_conflict(old, {k: v for k, v in settings.items() if k != "source"})
+        if conflict is not None:
+            raise JetFlowError(f"{out} holds a teacher cache with other settings ({conflict}); "
+                               "use a new output directory")
         # A cache may be completed or extended (more data directories: a partial last part grows),
         # never rebuilt for other data.
         other = [index for index, part in enumerate(parts)
@@ -152,9 +153,10 @@ class TeacherCache:
                  tapped_layers: list[int]):
         self.dir = Path(cache_dir)
         m = self.read_manifest(self.dir)
-        if m["target"] != model_identity(target):
-            raise JetFlowError(f"teacher cache {self.dir} was built with target {m['target'].get('name')!r}, "
-                               f"training uses {target.name!r}")
+        conflict = identity_conflict(m["target"], model_identity(target))
+        if conflict is not None:
+            raise JetFlowError(f"teacher cache {self.dir} was built with another target than {target.name!r} "
+                               f"({conflict}); build one with this target")
         if list(m["tapped_layers"]) != list(tapped_layers):
             raise JetFlowError(f"teacher cache {self.dir} holds layers {m['tapped_layers']}, the head reads "
                                f"{list(tapped_layers)}")

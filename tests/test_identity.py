@@ -1,0 +1,87 @@
+"""A target's weights fingerprint: the same on either runtime of one GGUF, different for another
+checkpoint of the same shape, and checked where regenerated data and teacher caches meet a target."""
+
+import json
+
+import pytest
+import torch
+
+from jetflow.data.shards import Sequence
+from jetflow.errors import JetFlowError
+from jetflow.models.identity import identity_conflict, settings_conflict, weights_fingerprint
+from jetflow.models.target import TargetModel
+from jetflow.training.teacher_cache import TeacherCache, build_teacher_cache
+from tiny import tiny_model
+
+
+def test_fingerprints_name_the_weights(tiny_dir, tmp_path, tokenizer):
+    same = weights_fingerprint(tiny_dir)
+    assert same.startswith("files:") and weights_fingerprint(tiny_dir) == same
+    other = tiny_model("llama")  # the same shape, other weights: a fine-tune, say
+    with torch.no_grad():
+        other.model.embed_tokens.weight.add_(1.0)
+    other.save_pretrained(tmp_path / "other")
+    assert weights_fingerprint(tmp_path / "other") != same
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF and some bytes")
+    converted = tmp_path / "m-0123456789abcdef"  # as resolve.convert_gguf names a conversion
+    converted.mkdir()
+    (converted / "jetflow_source.json").write_text(json.dumps({"gguf": str(gguf), "name": "m"}))
+    assert weights_fingerprint(converted) == "gguf:0123456789abcdef"  # (written before the digest was recorded)
+    (converted / "jetflow_source.json").write_text(json.dumps({"gguf": str(gguf), "name": "m", "digest": "feed"}))
+    assert weights_fingerprint(converted) == "gguf:feed" and weights_fingerprint(gguf).startswith("gguf:")
+
+
+def test_conflicts_name_the_key_and_let_older_records_through():
+    ident = {"name": "m", "vocab_size": 10, "weights": "gguf:aa", "backend": "torch"}
+    assert identity_conflict({"name": "m", "vocab_size": 10}, ident) is None  # written before weights existed
+    assert identity_conflict({**ident, "backend": "llamacpp"}, ident) is None  # the runtime is not the model
+    assert identity_conflict({**ident, "weights": "gguf:bb"}, ident) == "weights: 'gguf:bb' against 'gguf:aa'"
+    settings = {"target": ident, "top_k": 8}
+    assert settings_conflict({"target": {"name": "m", "vocab_size": 10}, "top_k": 8}, settings) is None
+    assert settings_conflict({"target": ident, "top_k": 4}, settings) == "top_k: 4 against 8"
+    assert "target weights" in settings_conflict({"target": {**ident, "weights": "x"}, "top_k": 8}, settings)
+
+
+def test_a_teacher_cache_of_other_weights_is_refused(tiny_dir, tmp_path, tokenizer):
+    sequences = [Sequence("p0", list(range(5, 25)), 8)]
+    built = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 1])
+    built.weights = "files:aaaa"
+    build_teacher_cache(built, sequences, tmp_path / "cache", top_k=4, progress=False)
+    TeacherCache(tmp_path / "cache", sequences, built, [0, 1])  # the same target: read
+    other = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 1])
+    other.weights = "files:bbbb"
+    with pytest.raises(JetFlowError, match="another target than 'tiny' .weights: 'files:aaaa' against 'files:bbbb'"):
+        TeacherCache(tmp_path / "cache", sequences, other, [0, 1])
+    with pytest.raises(JetFlowError, match="other settings .target weights"):  # nor extended by them
+        build_teacher_cache(other, sequences, tmp_path / "cache", top_k=4, progress=False)
+
+
+@pytest.mark.real
+def test_both_runtimes_of_one_gguf_name_the_same_weights(smollm2):
+    from jetflow.models.loading import llamacpp_available, load_target
+
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    llama = load_target("smollm2-135m-instruct", backend="llamacpp")
+    assert smollm2.identity()["weights"] == llama.identity()["weights"] == llama.weights
+    assert llama.weights.startswith("gguf:")
+
+
+def test_data_regenerated_by_other_weights_is_read_with_a_note(tmp_path, tokenizer, capsys):
+    """Regenerated data of the same shape but other weights (the same model quantized otherwise, or
+    a fine-tune) is read, with a note naming both; data without a fingerprint is read silently."""
+    from jetflow.data.shards import write_shard
+    from jetflow.training.trainer import load_sequences
+
+    target = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 1])
+    target.weights = "files:bbbb"
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "shard-00000.npz", [Sequence("p0", list(range(5, 25)), 8)], vocab_size=target.vocab_size)
+    made_for = {k: v for k, v in target.identity().items() if k != "weights"}
+    for weights, note in ((None, False), ("files:bbbb", False), ("files:aaaa", True)):
+        (data / "manifest.json").write_text(json.dumps({"target": {**made_for, **({"weights": weights} if weights else {})}}))
+        assert len(load_sequences(data, target)) == 1
+        err = capsys.readouterr().err
+        assert ("regenerated by other weights than this target's (files:aaaa against files:bbbb)" in err) == note
