@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from jetflow.decoding.budget import AdaptiveBudget
 from jetflow.decoding.costs import CostCurve, _int_keys
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, LookupIndex
-from jetflow.decoding.mixed_drafter import MAX_CHAIN, MixedDrafter
+from jetflow.decoding.mixed_drafter import MAX_CHAIN, MixedDrafter, common_prefix
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.eval.datasets import load_eval_set
 from jetflow.models.resolve import resolve_model
@@ -71,13 +71,7 @@ def followed_by_match_length(prompt: list[int], output: list[int], table: dict) 
         if chain:
             row = table.setdefault(length, [0, 0])
             row[0] += 1
-            row[1] += len(followed_path(_Chain(chain), output[i + 1:])) - 1
-
-
-class _Chain:
-    """A chain as the tree ``followed_path`` walks."""
-    def __init__(self, tokens: list[int]):
-        self.children = [{t: k + 1} for k, t in enumerate(tokens)] + [{}]
+            row[1] += common_prefix(chain, output[i + 1:])
 
 
 class _Offer:
@@ -127,7 +121,7 @@ class Arm:
         chain = self.drafter.propose_lookup(output[i], room=1 << 20)
         if chain is None:
             return None
-        followed = len(followed_path(chain.tree(len(chain.chain)), output[i + 1:])) - 1
+        followed = common_prefix(chain.chain, output[i + 1:])
         if not followed:
             return None
         n = max(range(1, followed + 1), key=lambda n: (n + 1) / (self.curve.verify_ms(n) + self.tree_overhead_ms))

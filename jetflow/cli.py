@@ -139,6 +139,11 @@ def _writable_dir(text: str, flag: str) -> Path:
     return path
 
 
+def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
+
+
 def _add_draft_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=["auto", "float", "int8"], default="auto",
                    help="the draft head's weights in its forward: int8 (dynamically quantized; the draft only, "
@@ -767,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--size", type=_non_negative_int, required=True,
                    help="new number of draft ids (0: the whole target vocabulary)")
     w.add_argument("--out", required=True, help="directory for the widened head (then `jetflow calibrate` it)")
-    w.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
+    _add_overwrite_arg(w)
     w.set_defaults(func=cmd_draft_vocab)
     k = sub.add_parser("calibrate", help="fit a block head's tree calibration (draft log-prob -> acceptance "
                                          "log-prob, per depth) on held-out regenerated sequences")
@@ -785,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the calibrated checkpoint here (default: replace --drafter's config.json in place; "
                         "the weights are copied untouched)")
     k.add_argument("--report", type=Path, default=None, help="write the fit (curves, sequences) as JSON here")
-    k.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
+    _add_overwrite_arg(k)
     k.set_defaults(func=cmd_calibrate)
     a = sub.add_parser("eval-agreement", help="per-depth top-1 agreement of block or EAGLE heads with the target at "
                                               "every answer position of held-out regenerated sequences")
@@ -871,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--target", default=None, help="the head's target (default: the one its config names); "
                                                   "read only for a reduced vocabulary, to copy its LM-head rows")
     x.add_argument("--out", required=True, type=Path)
-    x.add_argument("--overwrite", action="store_true", help="replace the checkpoint --out already holds (a directory holding other files is still refused)")
+    _add_overwrite_arg(x)
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export_vllm)
     g = sub.add_parser("export-gguf", help="write a block head as a DFlash GGUF that llama.cpp's speculative driver runs")

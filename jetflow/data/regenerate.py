@@ -53,9 +53,8 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
         settings["answers"] = answers
     old = read_manifest(out, REGENERATED)
     if old is not None:
-        conflict = settings_conflict(old, settings)
-        if conflict is None and old.get("answers", "target") != answers:
-            conflict = f"answers: {old.get('answers', 'target')!r} against {answers!r}"
+        # (answers recorded only when not the default, so older manifests still resume)
+        conflict = settings_conflict({**old, "answers": old.get("answers", "target")}, {**settings, "answers": answers})
         if conflict is not None:
             raise JetFlowError(f"{out} holds a regeneration with other settings ({conflict}); "
                                "use a new --out directory")

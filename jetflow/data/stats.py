@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from jetflow.data.shards import REGENERATED, check_distinct, list_shards, read_shard
-from jetflow.utils.fs import read_manifest
 from jetflow.errors import JetFlowError
+from jetflow.utils.fs import read_manifest
 
 
 def draft_vocabulary(drafter: Path) -> np.ndarray | None:

@@ -194,7 +194,7 @@ class RequestCalibration(_DepthRates):
     def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
         version, cached = self.version, self._rates.get(row)
         if cached is None or cached[0] != version:
-            k, (pooled_rates, _, pooled, pooled_n) = self.strength, self.pooled._estimates(row)
+            k, (_, _, pooled, pooled_n) = self.strength, self.pooled._estimates(row)
             own = zip(pooled, pooled_n, self.own.hits[row, 1:].tolist(), self.own.trials[row, 1:].tolist())
             points, variances = [], []
             for p, n_pooled, hits, n in own:
@@ -218,7 +218,7 @@ class PendingChains:
     be verified would never see them again, and featureless requests, which verify no head tree,
     would never learn it. Decoding (:class:`MixedDrafter`) and its offline replay share it."""
 
-    def __init__(self, calibration: LookupCalibration):
+    def __init__(self, calibration: LookupCalibration | RequestCalibration):
         self.calibration, self.chains, self.rounds = calibration, [], 0
 
     def add(self, row: int, chain: list[int], start: int) -> None:

@@ -17,6 +17,8 @@ import json
 import re
 from pathlib import Path
 
+from jetflow.utils.fs import file_digest
+
 RUNTIME_KEYS = ("backend", "dtype")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 SAMPLE_BYTES = 1 << 20  # read from the start, middle and end of each weight file
@@ -31,8 +33,6 @@ def weights_fingerprint(path: str | Path) -> str:
     checkpoint would cost a minute at each load)."""
     path = Path(path)
     if path.is_file():
-        from jetflow.utils.fs import file_digest
-
         return f"gguf:{file_digest(path)}"
     source = path / "jetflow_source.json"
     if source.is_file():
