@@ -1,7 +1,8 @@
 """Where a plain decoding step's time goes on the llama.cpp backend, against llama-cpp-python's own.
 
-Both run the same GGUF with the same threads and batch settings. Measured, interleaved in rounds
-so that drift hits all alike:
+Both run the same GGUF with the same threads and batch settings. Measured in rounds, the variants'
+order rotating each round so that drift and what ran just before hit all alike, with a few untimed
+steps after each switch (the first decode after another shape rebuilds llama.cpp's graph):
 
 * ``llama_eval``: one ``Llama.eval([token])`` step (llama-cpp-python's decode and its bookkeeping);
 * ``jetflow_decode``: the ``llama_decode`` call inside JetFlow's ``verify`` of one token;
@@ -38,7 +39,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=150, help="tokens before the timed steps")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after each switch of variant")
     ap.add_argument("--prompts", default="mtbench", help="bench dataset whose first 8 prompts are prefilled")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -58,34 +60,47 @@ def main() -> int:
     target._decode = timed_decode
     times = {"llama_eval": [], "jetflow_step": [], "jetflow_decode": [], "jetflow_python": [],
              "jetflow_step_no_taps": [], "jetflow_greedy_step": []}
-    for _ in range(args.rounds):
-        llm.reset()
-        llm.eval(context)
-        for i in range(args.steps):
-            t = time.perf_counter()
-            llm.eval([1234 + i])
-            times["llama_eval"].append(time.perf_counter() - t)
-        target.prefill(context)
-        for i in range(args.steps):
-            decode_s.clear()
-            t = time.perf_counter()
-            target.verify([1234 + i], [-1])
-            target.commit([0])
-            total = time.perf_counter() - t
-            times["jetflow_step"].append(total)
-            times["jetflow_decode"].append(decode_s[0])
-            times["jetflow_python"].append(total - decode_s[0])
-        target.prefill(context, return_hidden=False)
-        for i in range(args.steps):
-            t = time.perf_counter()
-            target.verify([1234 + i], [-1], return_hidden=False)
-            target.commit([0])
-            times["jetflow_step_no_taps"].append(time.perf_counter() - t)
-        target.prefill(context, return_hidden=False)
-        for i in range(args.steps):
-            t = time.perf_counter()
-            target.greedy_step(1234 + i)
-            times["jetflow_greedy_step"].append(time.perf_counter() - t)
+
+    def llama_eval(i):
+        t = time.perf_counter()
+        llm.eval([1234 + i])
+        return {"llama_eval": time.perf_counter() - t}
+
+    def jetflow_step(i):
+        decode_s.clear()
+        t = time.perf_counter()
+        target.verify([1234 + i], [-1])
+        target.commit([0])
+        total = time.perf_counter() - t
+        return {"jetflow_step": total, "jetflow_decode": decode_s[0], "jetflow_python": total - decode_s[0]}
+
+    def jetflow_step_no_taps(i):
+        t = time.perf_counter()
+        target.verify([1234 + i], [-1], return_hidden=False)
+        target.commit([0])
+        return {"jetflow_step_no_taps": time.perf_counter() - t}
+
+    def jetflow_greedy_step(i):
+        t = time.perf_counter()
+        target.greedy_step(1234 + i)
+        return {"jetflow_greedy_step": time.perf_counter() - t}
+
+    def start(variant):  # back to the same context; the warm-up steps absorb llama.cpp's graph rebuild
+        if variant is llama_eval:
+            llm.reset()
+            llm.eval(context)
+        else:
+            target.prefill(context, return_hidden=variant is jetflow_step)
+
+    variants = [llama_eval, jetflow_step, jetflow_step_no_taps, jetflow_greedy_step]
+    for r in range(args.rounds):
+        for variant in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotating order
+            start(variant)
+            for i in range(args.warmup):
+                variant(i)
+            for i in range(args.warmup, args.warmup + args.steps):
+                for name, seconds in variant(i).items():
+                    times[name].append(seconds)
     report = {"command": ["benchmarks/llamacpp_step_overhead.py", *__import__("sys").argv[1:]],
               "threads": args.threads, "context": args.context,
               "step_ms": {k: {"median": 1e3 * statistics.median(v), "mean": 1e3 * statistics.fmean(v), "n": len(v)}

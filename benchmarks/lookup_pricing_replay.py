@@ -15,6 +15,9 @@ the match's length (what the chains' calibration rows group).
 
     python benchmarks/lookup_pricing_replay.py docs/results/headline_llamacpp_v16 \
         --priors default,none,4,8,16,oracle --out docs/results/lookup_pricing/v16.json
+
+``--switch-ms`` also charges llama.cpp's graph rebuild whenever a decode's token count differs from
+the round before's (a chain between one-token steps pays two), which the cost curve leaves out.
 """
 
 from __future__ import annotations
@@ -84,15 +87,18 @@ class Arm:
     where it would give the most tokens per ms given how far the target follows it (the bound for
     pricing)."""
 
-    def __init__(self, prior: float | str | None, curve: CostCurve, tree_overhead_ms: float):
+    def __init__(self, prior: float | str | None, curve: CostCurve, tree_overhead_ms: float, switch_ms: float = 0.0,
+                 price_switch: bool = False):
         self.oracle = prior == "oracle"
         self.committed = _Committed()
         # "default": as the code at hand decodes (what lets this script replay an older checkout too)
         kw = {} if prior in ("default", "oracle") else {"request_prior": prior}
         self.drafter = MixedDrafter(_NoHead(), self.committed, **kw)
         self.budget = AdaptiveBudget(curve)
-        self.budget.overhead_ms = tree_overhead_ms
-        self.curve, self.tree_overhead_ms = curve, tree_overhead_ms
+        # ``price_switch``: a chain between one-token steps priced with both of its graph rebuilds
+        self.budget.overhead_ms = tree_overhead_ms + (2 * switch_ms if price_switch else 0.0)
+        self.curve, self.tree_overhead_ms, self.switch_ms = curve, tree_overhead_ms, switch_ms
+        self._shape = 1  # tokens of the latest decode: another shape rebuilds llama.cpp's graph
         self.ms = self.plain_ms = 0.0
         self.chains = self.chain_nodes = self.chain_tokens = 0
 
@@ -105,17 +111,21 @@ class Arm:
             offer = (self._oracle_offer(output, i) if self.oracle
                      else self.budget.lookup_chain(self.drafter, output[i], room=1 << 20))
             if offer is None:
-                self.ms += self.curve.c1_ms
+                self.ms += self.curve.c1_ms + self._switch(1)
                 i += 1
                 continue
             path = followed_path(offer.tree, output[i + 1:])
             self.drafter.observe(offer.tree, path)
             nodes = len(offer.tree) - 1
-            self.ms += self.curve.verify_ms(nodes) + self.tree_overhead_ms
+            self.ms += self.curve.verify_ms(nodes) + self.tree_overhead_ms + self._switch(nodes + 1)
             self.chains, self.chain_nodes, self.chain_tokens = self.chains + 1, self.chain_nodes + nodes, self.chain_tokens + len(path)
             i += len(path)
         self.committed.token_ids = prompt + output[:-1]
         self.plain_ms += self.curve.c1_ms * (len(output) - 1)
+
+    def _switch(self, tokens: int) -> float:
+        switched, self._shape = tokens != self._shape, tokens
+        return self.switch_ms if switched else 0.0
 
     def _oracle_offer(self, output: list[int], i: int):
         chain = self.drafter.propose_lookup(output[i], room=1 << 20)
@@ -124,8 +134,9 @@ class Arm:
         followed = common_prefix(chain.chain, output[i + 1:])
         if not followed:
             return None
-        n = max(range(1, followed + 1), key=lambda n: (n + 1) / (self.curve.verify_ms(n) + self.tree_overhead_ms))
-        if (n + 1) / (self.curve.verify_ms(n) + self.tree_overhead_ms) <= 1 / self.curve.c1_ms:
+        extra = self.tree_overhead_ms + 2 * self.switch_ms  # (both rebuilds, as if between one-token steps)
+        n = max(range(1, followed + 1), key=lambda n: (n + 1) / (self.curve.verify_ms(n) + extra))
+        if (n + 1) / (self.curve.verify_ms(n) + extra) <= 1 / self.curve.c1_ms:
             return None
         return _Offer(chain.tree(n))
 
@@ -145,6 +156,12 @@ def main() -> int:
                          "default: MixedDrafter's default; oracle: chains cut knowing how far the target follows them")
     ap.add_argument("--tree-overhead-ms", type=float, default=0.2,
                     help="Python time of a chain round beyond its verify (decoding/budget.py: about 0.2 ms on llama.cpp)")
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="charge a graph rebuild of this many ms to every decode whose token count differs from the "
+                         "round before (benchmarks/llamacpp_shape_switch.py); 0: free, as the cost curve has it")
+    ap.add_argument("--price-switch", action="store_true",
+                    help="also add the arms' pricing with both rebuilds of a chain between one-token steps "
+                         "(named ARM+switch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -155,7 +172,10 @@ def main() -> int:
     settings = summary["settings"]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings["target"]).path)
     priors = [None if p == "none" else p if p in ("oracle", "default") else float(p) for p in args.priors.split(",")]
-    arms = {p: Arm(p, curve, args.tree_overhead_ms) for p in priors}
+    arms = {str(p).lower(): Arm(p, curve, args.tree_overhead_ms, args.switch_ms) for p in priors}
+    if args.price_switch:
+        arms |= {f"{str(p).lower()}+switch": Arm(p, curve, args.tree_overhead_ms, args.switch_ms, price_switch=True)
+                 for p in priors if p != "oracle"}
     per_set: dict[str, dict] = {}
     by_length: dict[int, list[int]] = {}
     for name in args.datasets.split(","):
@@ -186,6 +206,7 @@ def main() -> int:
     print("chains offered at every point of the text, by match length: " + "; ".join(
         f"{n}: {offers} offers, {followed / offers:.2f} tokens followed" for n, (offers, followed) in sorted(by_length.items())))
     out = {"bench_dir": str(root), "method": args.method, "tree_overhead_ms": args.tree_overhead_ms,
+           "switch_ms": args.switch_ms,
            "cost_model": {"c1_ms": curve.c1_ms, "verify_ms": cost_model["verify_ms"]},
            "sets": per_set, "all": {str(p).lower(): arm.summary() for p, arm in arms.items()},
            "followed_by_match_length": {str(n): {"offers": offers, "mean_followed": followed / offers}

@@ -74,13 +74,23 @@ def _device_and_dtype(args):
     return device, dtype
 
 
+def _check_drafter_dirs(paths) -> None:
+    """JetFlowError naming the first path that is not a drafter checkpoint directory."""
+    for path in paths:
+        if Path(path).exists() and not Path(path).is_dir():
+            raise JetFlowError(f"drafter checkpoint must be a directory (config.json + model.safetensors), "
+                               f"got a file: {path}")
+        if not Path(path).is_dir():
+            raise JetFlowError(f"drafter checkpoint directory not found: {path}")
+
+
 def _load_jetflow(args):
     from jetflow.pipeline import JetFlow
 
     device, dtype = _device_and_dtype(args)
     drafter = args.drafter
-    if drafter.lower() not in ("none", "auto") and not Path(drafter).is_dir():
-        raise JetFlowError(f"drafter checkpoint directory not found: {drafter}")
+    if drafter.lower() not in ("none", "auto"):
+        _check_drafter_dirs([drafter])
     return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
                                    n_threads=args.threads, flash_attn=args.flash_attn == "on",
                                    budget=args.budget, width=args.width,
@@ -191,6 +201,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
@@ -208,8 +228,11 @@ def _budget(text: str) -> int | str:
 
     if text.lower() == "auto":
         return "auto"
-    value = _non_negative_int(text)
-    if value > MAX_BUDGET:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a node count in [0, {MAX_BUDGET}], got {text!r}") from None
+    if not 0 <= value <= MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"must be 'auto' or a node count in [0, {MAX_BUDGET}], got {value}")
     return value
 
@@ -392,9 +415,7 @@ def cmd_eval_offline(args) -> int:
     from jetflow.eval.replay_journal import journal_path
     from jetflow.utils.fs import write_json_atomic
 
-    missing = [d for d in args.drafter if not Path(d).is_dir()]
-    if missing:
-        raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    _check_drafter_dirs(args.drafter)
     from jetflow.pipeline import MAX_BUDGET
 
     budgets = _int_list(args.budgets, "--budgets")
@@ -420,8 +441,7 @@ def cmd_calibrate(args) -> int:
     from jetflow.eval.calibrate import calibrate_drafter
     from jetflow.utils.fs import write_json_atomic
 
-    if not Path(args.drafter).is_dir():
-        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    _check_drafter_dirs([args.drafter])
     if args.held_out and args.sequences:
         raise JetFlowError("give --held-out or --sequences, not both")
     if not args.held_out and not args.sequences:
@@ -444,8 +464,7 @@ def cmd_calibrate(args) -> int:
 def cmd_draft_vocab(args) -> int:
     from jetflow.training.revocab import widen_drafter_vocab
 
-    if not Path(args.drafter).is_dir():
-        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    _check_drafter_dirs([args.drafter])
     from jetflow.models.draft_head import CHECKPOINT_FILES
 
     if Path(args.out).resolve() == Path(args.drafter).resolve():
@@ -465,9 +484,7 @@ def cmd_eval_agreement(args) -> int:
     from jetflow.eval.depth_agreement import evaluate_agreement
     from jetflow.utils.fs import write_json_atomic
 
-    missing = [d for d in args.drafter if not Path(d).is_dir()]
-    if missing:
-        raise JetFlowError(f"drafter checkpoint directory not found: {missing[0]}")
+    _check_drafter_dirs(args.drafter)
     _report_file(args.out)
     target = _load_jetflow_target(args, training=True)
     report = evaluate_agreement(target, args.drafter, args.data, args.teacher_cache, args.sequences, args.max_depth,
@@ -528,8 +545,7 @@ def cmd_export_vllm(args) -> int:
 
     from jetflow.export.vllm import EXPORT_FILES, export_vllm, speculative_config
 
-    if not Path(args.drafter).is_dir():
-        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    _check_drafter_dirs([args.drafter])
     _new_checkpoint_dir(args.out, args.drafter, args.overwrite, EXPORT_FILES)
     out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
     print(json.dumps({"out": str(out), "speculative_config": speculative_config(out)}))
@@ -540,8 +556,7 @@ def cmd_export_gguf(args) -> int:
     from jetflow.export.gguf import export_gguf, target_gguf_for
     from jetflow.models.checkpoint import load_drafter
 
-    if not Path(args.drafter).is_dir():
-        raise JetFlowError(f"drafter checkpoint directory not found: {args.drafter}")
+    _check_drafter_dirs([args.drafter])
     target_gguf = target_gguf_for(args.target or load_drafter(args.drafter).config.target.get("name"))
     out = export_gguf(args.drafter, args.out, target_gguf, dtype=args.dtype)
     print(json.dumps({"out": str(out), "target_gguf": str(target_gguf),
@@ -867,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "JETFLOW_API_KEY)")
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
-    v.add_argument("--shutdown-timeout", type=float, default=30.0,
+    v.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
                    help="seconds to let open requests finish after SIGTERM before cancelling them")
     v.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     v.set_defaults(func=cmd_serve)

@@ -127,6 +127,14 @@ def test_drafter_errors(tiny_dir, tiny_drafter, tmp_path, capsys):
     assert "drafter checkpoint directory not found" in capsys.readouterr().err
     assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path)]) == 2
     assert "not a drafter checkpoint" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["generate", "x", "--target", str(tiny_dir), "--drafter", str(tmp_path / "a-file")]) == 2
+    assert f"drafter checkpoint must be a directory (config.json + model.safetensors), got a file: {tmp_path / 'a-file'}" \
+        in capsys.readouterr().err
+    for value in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--shutdown-timeout", value])
+        assert "--shutdown-timeout" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--budget", "-1"])
     # weights that do not fit their config, a truncated weights file, a config missing a field
@@ -158,7 +166,8 @@ def test_generate_argument_errors_come_before_loading_and_name_the_problem(tiny_
         assert message in capsys.readouterr().err
     assert kept.read_text() == "keep me"
     for flag, value, message in (("--budget", "300", "must be 'auto' or a node count in [0, 256], got 300"),
-                                 ("--budget", "abc", "expected an integer, got 'abc'"),
+                                 ("--budget", "abc", "expected 'auto' or a node count in [0, 256], got 'abc'"),
+                                 ("--budget", "-1", "must be 'auto' or a node count in [0, 256], got -1"),
                                  ("--max-new-tokens", "1.5", "expected an integer, got '1.5'")):
         with pytest.raises(SystemExit):
             main(["generate", "x", flag, value])

@@ -29,6 +29,16 @@ def test_target_probs_match_brute_force(t, k, p):
     torch.testing.assert_close(got, brute_force_probs(logits, t, k, p).float(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324])
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p):
+    """Such a top_p rounds to 0 in float32: every token used to be dropped, and sampling fell back to the
+    last vocabulary id. The nucleus is never empty: it holds the most likely token, as brute force says."""
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    got = target_probs(logits, SamplingParams(1.0, 0, top_p))
+    assert got.tolist() == [0, 1, 0, 0] == brute_force_probs(logits, 1.0, 0, top_p).tolist()
+    assert next_token(logits, SamplingParams(1.0, 0, top_p, seed=3), torch.Generator().manual_seed(3)) == 1
+
+
 def test_greedy_is_argmax_and_sampling_is_seeded():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     assert next_token(logits, SamplingParams(), None) == 1

@@ -199,6 +199,34 @@ def test_a_client_that_gives_up_on_a_plain_request_cancels_it(server):
     assert 'jetflow_requests_total{endpoint="/v1/chat/completions",status="499"}' in httpx.get(server + "/metrics").text
 
 
+def test_openai_client_routes_and_tool_call_history(server, client):
+    """What OpenAI clients send besides chat: a model looked up by id, HEAD probes, and history with an
+    assistant turn whose content is null (it called a tool)."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    missing = httpx.get(server + "/v1/models/gpt-9", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(server + "/health").status_code == 200
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "go"}]
+    assert post(server, "/v1/chat/completions", {**CHAT, "messages": history}).status_code == 200
+    bad = [{"role": "user", "content": None}]
+    assert "content must be a string" in post(server, "/v1/chat/completions", {**CHAT, "messages": bad}).text
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_499_not_500(server):
+    """Not a server error: counted as 499, and the server goes on serving."""
+    before = labelled(server, "/v1/chat/completions", "499")
+    with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 500\r\n\r\n{\"model\":")
+        time.sleep(0.3)
+    deadline = time.time() + 10
+    while labelled(server, "/v1/chat/completions", "499") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert labelled(server, "/v1/chat/completions", "499") == before + 1
+    assert labelled(server, "/v1/chat/completions", "500") == 0
+    assert post(server, "/v1/chat/completions", CHAT).status_code == 200
+
+
 def test_metrics_label_only_known_routes(server):
     for path in ("/v1/x123", "/v1/models/abc", "/whatever"):
         httpx.get(server + path, headers={"Authorization": f"Bearer {KEY}"})
@@ -254,8 +282,16 @@ def metric(base, name) -> float:
     raise KeyError(name)
 
 
+def labelled(base, endpoint, status) -> float:
+    """jetflow_requests_total of one endpoint and status (0 before the first)."""
+    key = f'jetflow_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    lines = [line for line in httpx.get(base + "/metrics").text.splitlines() if line.startswith(key)]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
 def test_disconnect_cancels_and_metrics(server):
     before = metric(server, "jetflow_cancelled_total")
+    gone_before = labelled(server, "/v1/chat/completions", "499")
     with httpx.stream("POST", server + "/v1/chat/completions", json={**CHAT, "max_tokens": 450, "stream": True},
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
         lines = r.iter_lines()
@@ -264,8 +300,8 @@ def test_disconnect_cancels_and_metrics(server):
     while metric(server, "jetflow_cancelled_total") == before and time.time() < deadline:
         time.sleep(0.1)
     assert metric(server, "jetflow_cancelled_total") == before + 1
+    assert labelled(server, "/v1/chat/completions", "499") == gone_before + 1  # not a 200: its client left
     text = httpx.get(server + "/metrics").text
-    assert 'jetflow_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "jetflow_tau_bucket" in text and "jetflow_queue_depth 0" in text
     assert metric(server, "jetflow_generated_tokens_total") > 0
 

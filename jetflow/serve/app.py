@@ -19,6 +19,7 @@ import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.decoding.result import GenerationResult
@@ -30,6 +31,7 @@ from jetflow.serve.protocol import GenerationRequest, parse_body, parse_request
 
 MAX_BODY_BYTES = 1 << 20
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health")
+CLIENT_GONE = "jetflow.client_gone"  # set in a request's ASGI scope when its client left mid-stream
 
 
 def jetflow_stats(result: GenerationResult) -> dict:
@@ -75,7 +77,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
     async def internal(_request, e: Exception):
         return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": model_name, "queue_depth": engine.queue_depth}
 
@@ -84,20 +86,32 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         return PlainTextResponse(metrics.render(engine.queue_depth, state["in_flight"]),
                                  media_type="text/plain; version=0.0.4")
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "jetflow"}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "jetflow"}
-                                           for m in sorted(models)]}
+        return {"object": "list", "data": [model_card(m) for m in sorted(models)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str):
+        if name not in models:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(sorted(models))}",
+                           code="model_not_found")
+        return model_card(name)
 
     async def read_request(request: Request, kind: str) -> GenerationRequest:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > max_body_bytes:
             raise APIError(413, f"request body of {length} bytes exceeds the limit of {max_body_bytes} bytes")
         raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > max_body_bytes:
+                    raise APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+        except ClientDisconnect:  # gone while sending its body: nothing to answer, not a server error
+            raise ClientGone from None
         return parse_request(parse_body(raw, max_body_bytes), kind, models)
 
     def encode(req: GenerationRequest) -> tuple[list[int], int]:
@@ -164,9 +178,12 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
     async def generate(request: Request, kind: str):
         state["in_flight"] += 1
         try:
-            req, ids, job = await start(request, kind)
+            try:
+                req, ids, job = await start(request, kind)
+            except ClientGone:
+                return Response(status_code=499)
             if req.stream:
-                return StreamingResponse(stream_events(req, job), media_type="text/event-stream",
+                return StreamingResponse(stream_events(req, job, request.scope), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             try:
                 result = await run_to_end(job, request)
@@ -191,7 +208,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         finally:
             state["in_flight"] -= 1
 
-    async def stream_events(req: GenerationRequest, job):
+    async def stream_events(req: GenerationRequest, job, scope: dict):
         rid, created = _ids(req.kind)
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         state["in_flight"] += 1
@@ -233,6 +250,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             if not finished:  # the client went away mid-stream: stop generating for it
                 job.cancel()
                 metrics.cancel()
+                scope[CLIENT_GONE] = True  # counted as 499, though the stream's 200 went out
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -276,7 +294,7 @@ class Guard:
                     return await JSONResponse(error.body(), 401)(scope, receive, send_and_count)
             await self.app(scope, receive, send_and_count)
         finally:
-            self.metrics.request(endpoint, status["code"])
+            self.metrics.request(endpoint, 499 if scope.get(CLIENT_GONE) else status["code"])
 
 
 class CleanExitServer(uvicorn.Server):
@@ -295,7 +313,7 @@ class CleanExitServer(uvicorn.Server):
 
 
 class ClientGone(Exception):
-    """The client of a plain (non-streaming) request disconnected before its answer."""
+    """The client disconnected before its answer (of a plain request), or while sending its body."""
 
 
 async def client_gone(request: Request) -> None:

@@ -110,6 +110,8 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
             raise bad_request(f"messages[{i}] needs a 'role' of system, user, assistant or developer", "messages")
         content = m.get("content")
+        if content is None and m["role"] == "assistant":  # an assistant turn that only called tools
+            content = ""
         if isinstance(content, list):  # content parts: only text is supported
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
