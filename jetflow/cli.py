@@ -36,7 +36,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                         "auto (default): llamacpp for GGUF targets on the CPU when llama-cpp-python is installed, "
                         "else torch (training commands always use torch)")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="llama.cpp threads (default: all cores)")
+                   help="compute threads of llama.cpp and torch (default: all cores)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off",
                    help="llama.cpp's fused attention kernel: faster decoding, but outputs are no longer guaranteed "
                         "identical to one-token decoding (its one-row and many-row kernels sum in different orders "
@@ -65,13 +65,10 @@ def _device_and_dtype(args):
 
     from jetflow.models.loading import default_device_and_dtype
 
-    device, dtype = default_device_and_dtype(args.device, getattr(torch, args.dtype) if args.dtype else None,
-                                             getattr(args, "backend", "auto"))
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise JetFlowError(f"device {device!r} is not usable here: {e}") from None
-    return device, dtype
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)  # the torch runtime, and the heads that draft for llama.cpp
+    return default_device_and_dtype(args.device, getattr(torch, args.dtype) if args.dtype else None,
+                                    getattr(args, "backend", "auto"))
 
 
 def _check_drafter_dirs(paths) -> None:
@@ -91,11 +88,14 @@ def _load_jetflow(args):
     drafter = args.drafter
     if drafter.lower() not in ("none", "auto"):
         _check_drafter_dirs([drafter])
-    return JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
-                                   n_threads=args.threads, flash_attn=args.flash_attn == "on",
-                                   budget=args.budget, width=args.width,
-                                   lookup=not args.no_lookup, int8_draft=_int8_draft(args),
-                                   auto_state=_auto_state_dir(args.auto_state))
+    jf = JetFlow.from_pretrained(args.target, drafter, device=device, dtype=dtype, backend=args.backend,
+                                 n_threads=args.threads, flash_attn=args.flash_attn == "on",
+                                 budget=args.budget, width=args.width,
+                                 lookup=not args.no_lookup, int8_draft=_int8_draft(args),
+                                 auto_state=_auto_state_dir(args.auto_state))
+    if args.dtype and jf.target.backend == "llamacpp":
+        print(f"[--dtype {args.dtype} applies to the torch backend; llama.cpp runs the GGUF's own types]", file=sys.stderr)
+    return jf
 
 
 def _new_checkpoint_dir(out, source, overwrite: bool, replaceable, in_place: bool = False) -> None:
@@ -262,6 +262,10 @@ def cmd_generate(args) -> int:
 
     # Fail on bad input before spending seconds on loading a model.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if any(not s for s in args.stop or ()):
+        raise JetFlowError("--stop strings must be non-empty")
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise JetFlowError("empty prompt")
     reference = args.check_lossless or args.compare
@@ -602,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text; '-' reads it from standard input (long prompts, files)")
     _add_target_args(g)
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default when the model has one)")

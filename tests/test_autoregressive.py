@@ -60,6 +60,8 @@ def test_chat_template_and_raw_prompts(tokenizer):
     ("x", dict(temperature=-1), "temperature"), ("x", dict(top_p=2), "top_p"),
     ("x", dict(max_new_tokens=0), "max_new_tokens"), ([99999], {}, "token ids"),
     ("x" * 600, dict(chat=False), "context"), ([{"role": "user"}], {}, "content"),
+    ("x", dict(stop=5), "stop must be a string, a list of strings or None, got 5"),
+    ("x", dict(stop=["a", 1]), "stop must be"), ("x", dict(chat="no"), "chat must be True, False or None"),
 ])
 def test_bad_requests(tiny_target, prompt, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

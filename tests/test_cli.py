@@ -15,6 +15,19 @@ def test_generate_json(tiny_dir, capsys):
     assert 1 <= out["new_tokens"] <= 8
 
 
+def test_generate_reads_the_prompt_from_stdin_for_a_dash(tiny_dir, capsys, monkeypatch):
+    import io
+
+    args = ["--target", str(tiny_dir), "--json", "--max-new-tokens", "8"]
+    assert main(["generate", "hello there\nsecond line", *args]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nsecond line"))
+    assert main(["generate", "-", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == direct["token_ids"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert main(["generate", "-", *args]) == 2 and "empty prompt" in capsys.readouterr().err
+
+
 def test_generate_streams_text(tiny_dir, capsys):
     rc = main(["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "8", "--no-chat",
                "--temperature", "0.8", "--seed", "1", "--top-k", "20", "--top-p", "0.9"])
@@ -165,6 +178,8 @@ def test_generate_argument_errors_come_before_loading_and_name_the_problem(tiny_
         assert main(base + ["--auto-state", value]) == 2
         assert message in capsys.readouterr().err
     assert kept.read_text() == "keep me"
+    assert main(["generate", "x", "--target", str(tmp_path / "no-model"), "--stop", ""]) == 2  # before loading
+    assert "--stop strings must be non-empty" in capsys.readouterr().err
     for flag, value, message in (("--budget", "300", "must be 'auto' or a node count in [0, 256], got 300"),
                                  ("--budget", "abc", "expected 'auto' or a node count in [0, 256], got 'abc'"),
                                  ("--budget", "-1", "must be 'auto' or a node count in [0, 256], got -1"),
@@ -520,6 +535,7 @@ def test_data_stats_reports_long_answers_and_names_a_bad_directory(tmp_path, cap
 def test_the_cli_and_the_python_api_pick_the_same_device_and_dtype(monkeypatch):
     import torch
 
+    from jetflow.errors import JetFlowError
     from jetflow.models.loading import default_device_and_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -529,6 +545,9 @@ def test_the_cli_and_the_python_api_pick_the_same_device_and_dtype(monkeypatch):
     assert default_device_and_dtype(None, torch.float16) == ("cuda", torch.float16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_device_and_dtype() == ("cpu", torch.float32)
+    for device in ("gpu", "cuda:99" if torch.backends.cuda.is_built() else "cuda"):
+        with pytest.raises(JetFlowError, match=f"device '{device}' is not usable here"):
+            default_device_and_dtype(device)  # what from_pretrained(device=...) and the CLI both hit
     import inspect
 
     from jetflow.pipeline import JetFlow

@@ -236,6 +236,36 @@ def test_errors_are_clear(llama_target, prompt_ids, monkeypatch):
 
 
 @pytest.mark.real
+def test_trees_near_the_end_of_the_context_finish_like_plain_decoding():
+    """On llama.cpp every tree node takes a KV cell until commit, so near the context's end a tree
+    whose depth fits may still not: the loop trims it to the free cells, and the request ends with
+    "length" and the tokens plain decoding gives, instead of failing."""
+    import jetflow
+    from jetflow.errors import InvalidRequestError
+    from jetflow.models.gguf_meta import gguf_tokenizer
+    from jetflow.models.llamacpp_target import LlamaCppError, LlamaCppTarget
+    from jetflow.models.resolve import locate_gguf
+
+    gguf, name = locate_gguf("smollm2-135m-instruct")
+    with pytest.raises(LlamaCppError, match="needs a context and a batch of at least 256 tokens"):
+        LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, n_ctx=128)  # (llama.cpp itself aborts)
+    small = LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, n_ctx=256, n_threads=2)
+    prompt = "Repeat after me: " + "one two three four five six seven eight nine ten " * 19
+    ids = jetflow.decoding.prompt.encode_prompt(small.tokenizer, prompt)
+    assert 200 < len(ids) < 240
+    plain = jetflow.generate(small, prompt, max_new_tokens=100)
+    assert plain.finish_reason == "length" and len(ids) + len(plain.token_ids) - 1 == small.max_context  # (the last is not fed)
+    for budget in (16, 64):
+        spec = jetflow.JetFlow.from_pretrained(small, "auto", budget=budget).generate(prompt, max_new_tokens=100)
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == "length", budget
+    small.prefill(ids)
+    room = small.tree_room()
+    assert room == small.max_context - len(ids)
+    with pytest.raises(InvalidRequestError, match=f"a tree of {room + 1} tokens needs as many free KV cells"):
+        small.verify([5] * (room + 1), [-1] + [0] * room)  # depth 1: fits the positions, not the cells
+
+
+@pytest.mark.real
 @pytest.mark.parametrize("prompt", ["Natalia sold clips to 48 of her friends in April, and then she sold half as many "
                                     "clips in May. How many clips did Natalia sell altogether?",
                                     "Write a Python function that reverses a string."])

@@ -42,6 +42,11 @@ def prepare_request(
         raise InvalidRequestError(f"expected a loaded target, got the name {str(target)!r}: load it with "
                                   "jetflow.load_target(name), or use jetflow.JetFlow.from_pretrained(name)")
     params = SamplingParams(temperature, top_k, top_p, seed)
+    if chat is not None and not isinstance(chat, bool):
+        raise InvalidRequestError(f"chat must be True, False or None (the model's default), got {chat!r}")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        raise InvalidRequestError(f"stop must be a string, a list of strings or None, got {stop!r}")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompt_ids = list(prompt)
         if any(not 0 <= t < target.vocab_size for t in prompt_ids):

@@ -88,6 +88,9 @@ def speculative_stream(
                 tree = proposal.tree(nodes)
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
+        cells = target.tree_room()
+        if cells is not None and len(tree) > cells:  # near the context's end, fewer nodes than levels fit
+            tree = tree.prefix(cells)
         path, bonus = _verify_round(target, drafter, tree, params, generator, features, stats)
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms

@@ -78,6 +78,12 @@ class TargetBackend(Protocol):
 
     def extend(self, tokens, return_hidden: bool = False) -> TargetOutput: ...
 
+    def tree_room(self) -> int | None:
+        """How many tokens (root included) the next verify may hold: the free KV cells on a runtime
+        where every tree node takes one until commit (llama.cpp), None where a tree only needs its
+        depth to fit the context (torch)."""
+        ...
+
     def greedy_step(self, token: int) -> int:
         """``extend([token])`` and the argmax of its logits (first maximum), no features: the plain
         greedy step, which a runtime may run without materializing the logits."""

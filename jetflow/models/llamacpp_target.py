@@ -211,11 +211,14 @@ class LlamaCppTarget(OwnsLlamaContext):
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         train_ctx = int(lib.llama_model_n_ctx_train(self._model))
         self.n_threads = int(n_threads or os.cpu_count() or 1)
-        self.n_batch = int(n_batch)
+        context = min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx
+        if context < MAX_SEQ or n_batch < MAX_SEQ:  # (llama.cpp would abort the process)
+            raise LlamaCppError(f"the llama.cpp backend needs a context and a batch of at least {MAX_SEQ} tokens (a "
+                                f"tree verifies up to {MAX_SEQ} paths, one output each), got {context} and {n_batch}")
+        self.n_batch = min(int(n_batch), context)
         self.flash_attn = bool(flash_attn)
         # One KV buffer whose cells can belong to several paths; a whole tree runs as one graph.
-        self._ctx = self.new_context(min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx, self.n_batch, MAX_SEQ,
-                                     unified=True)
+        self._ctx = self.new_context(context, self.n_batch, MAX_SEQ, unified=True)
         self.max_context = int(lib.llama_n_ctx(self._ctx))
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = _Batch(lib, self.n_batch, MAX_SEQ)
@@ -389,8 +392,9 @@ class LlamaCppTarget(OwnsLlamaContext):
             check_parents(parents)
         self._drop_pending()
         depths = None if chain else np.asarray(tree_depths(parents), dtype=np.int32)
-        if self.past_len + (n if chain else int(depths.max()) + 1) > self.max_context:
-            raise InvalidRequestError(f"tree would extend past the context of {self.max_context} tokens")
+        if n > self.tree_room():  # (a tree's depth fits whenever its nodes do)
+            raise InvalidRequestError(f"a tree of {n} tokens needs as many free KV cells: {self.tree_room()} of the "
+                                      f"{self.max_context}-token context are free")
         if (ids < 0).any() or (ids >= self.vocab_size).any():
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
         member = _CHAIN if chain else path_membership(parents)
@@ -457,6 +461,9 @@ class LlamaCppTarget(OwnsLlamaContext):
         out = self.verify(ids, chain_parents(ids.numel()), return_hidden=return_hidden)
         self.commit(range(ids.numel()))
         return out
+
+    def tree_room(self) -> int:
+        return self.max_context - self.past_len  # every node takes a cell of the unified KV cache until commit
 
     def greedy_step(self, token: int) -> int:
         """Commit ``token`` and return the target's greedy next token: ``extend([token])`` and the

@@ -38,6 +38,11 @@ def default_device_and_dtype(device: str | torch.device | None = None, dtype: to
     ``JetFlow.from_pretrained`` pick when not told)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() and backend != "llamacpp" else "cpu"
+    else:
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:  # (a CPU-only torch asserts)
+            raise JetFlowError(f"device {device!r} is not usable here: {e}") from None
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return device, dtype

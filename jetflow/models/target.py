@@ -389,6 +389,9 @@ class TargetModel:
         self.commit(range(ids.numel()))
         return out
 
+    def tree_room(self) -> None:
+        return None  # the cache grows; only the deepest node's position must fit (checked in verify)
+
     def greedy_step(self, token: int) -> int:
         """Commit ``token`` and return the target's greedy next token (the first maximum, as
         ``decoding.sampling.next_token``)."""
