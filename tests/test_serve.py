@@ -328,6 +328,26 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(endless_dir, tmp_path):
         httpx.get(base + "/health", timeout=2)
 
 
+def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_event_and_done(endless_dir, tmp_path):
+    """SIGTERM with a stream still running past --shutdown-timeout: the stream is cancelled just before
+    the deadline and ends like any failed stream (an error event, then [DONE]), not cut mid-response."""
+    proc, base = start_server(endless_dir / "target", endless_dir / "head", "--budget", "8", "--max-batch", "1",
+                              "--shutdown-timeout", "0.6", cache=tmp_path)
+    lines, t0 = [], time.time()
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=30,
+                      json={**CHAT, "model": "target", "max_tokens": 480, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 2:
+                proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: "):])
+    assert "the server is shutting down" in error["error"]["message"], (error, time.time() - t0)
+    assert "Traceback" not in proc.stderr.read()
+
+
 @pytest.mark.real
 def test_smollm2_server_with_the_shipped_drafter(tmp_path):
     import jetflow

@@ -14,6 +14,7 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Callable
 
 import uvicorn
 
@@ -170,7 +171,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                 if kind == "error":
                     raise payload
                 if kind == "cancelled":
-                    raise EngineStopped("generation cancelled")
+                    raise EngineStopped(payload or "generation cancelled")
         finally:
             gone.cancel()
             job.cancel()  # no-op when finished; stops the worker if this handler was abandoned
@@ -238,7 +239,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                         yield f"data: {json.dumps(body)}\n\n"
                     break
                 else:  # error or cancellation inside the worker: report it in the stream, then end it
-                    err = payload if isinstance(payload, Exception) else EngineStopped("generation cancelled")
+                    err = payload if isinstance(payload, Exception) else EngineStopped(payload or "generation cancelled")
                     status = 400 if isinstance(err, InvalidRequestError) else 503 if isinstance(
                         err, EngineStopped) else 500
                     yield f"data: {json.dumps(APIError(status, str(err), type='server_error').body())}\n\n"
@@ -299,7 +300,26 @@ class Guard:
 
 class CleanExitServer(uvicorn.Server):
     """uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, so the process would
-    die by the signal; here a clean shutdown exits with status 0."""
+    die by the signal; here a clean shutdown exits with status 0. ``before_deadline``: called shortly
+    before the graceful shutdown's time runs out (it cancels the requests still generating, so their
+    streams end with an error event and ``[DONE]`` instead of being cut mid-response)."""
+
+    def __init__(self, config: uvicorn.Config, before_deadline: Callable[[], None] | None = None):
+        super().__init__(config)
+        self.before_deadline = before_deadline
+
+    async def shutdown(self, sockets=None) -> None:
+        timeout, timer = self.config.timeout_graceful_shutdown, None
+        if self.before_deadline is not None and timeout is not None:
+            async def cut() -> None:
+                await asyncio.sleep(max(0.0, timeout - min(1.0, timeout / 2)))
+                await asyncio.to_thread(self.before_deadline)
+            timer = asyncio.create_task(cut())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):

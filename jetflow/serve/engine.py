@@ -46,8 +46,10 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: int = 0
+    reason: str | None = None  # why it was cancelled, when not by its client
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str | None = None) -> None:
+        self.reason = self.reason or reason
         self.cancelled.set()
 
     def _emit(self, kind: str, payload) -> None:
@@ -124,7 +126,7 @@ class Engine:
                 for event in events:
                     if job.cancelled.is_set():
                         events.close()
-                        job._emit("cancelled", None)
+                        job._emit("cancelled", job.reason)
                         break
                     if isinstance(event, GenerationResult):
                         job._emit("done", event)
@@ -216,7 +218,7 @@ class Engine:
             while waiting and (not joining or tokens + len(waiting[0][0].prompt_ids) <= self.max_prefill_tokens):
                 req, job = waiting.popleft()
                 if job.cancelled.is_set():
-                    job._emit("cancelled", None)
+                    job._emit("cancelled", job.reason)
                     self._running.discard(job)
                     continue
                 joining.append((req, job))
@@ -226,7 +228,7 @@ class Engine:
             for key, (req, job, _) in list(jobs.items()):
                 if job.cancelled.is_set():
                     decoder.cancel(req)
-                    job._emit("cancelled", None)
+                    job._emit("cancelled", job.reason)
                     del jobs[key]
                     self._running.discard(job)
             if not jobs:
@@ -260,6 +262,6 @@ class Engine:
                 job._emit("error", EngineStopped("the server is shutting down"))
         if cancel_running:
             for job in list(self._running):
-                job.cancel()
+                job.cancel("the server is shutting down")
         self._queue.put(None)
         self._stopped.wait(timeout)

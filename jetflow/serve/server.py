@@ -94,4 +94,4 @@ def serve(jf: JetFlow | Callable[[], JetFlow], *, host: str = "127.0.0.1", port:
           f"batch: up to {engine.max_batch}) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
-    CleanExitServer(config).run(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
+    CleanExitServer(config, before_deadline=lambda: engine.shutdown(True, 5.0)).run(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain, then the app's shutdown
