@@ -236,6 +236,54 @@ def test_errors_are_clear(llama_target, prompt_ids, monkeypatch):
 
 
 @pytest.mark.real
+def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, prompt_ids):
+    """A prompt that extends what the cache holds (the next turn of a chat) computes only its new
+    tokens, and its logits equal a fresh prefill's exactly: also after a speculative request whose
+    accepted side branches were dropped and written again, and never when features are asked for."""
+    import jetflow
+
+    target = llama_target
+    jf = jetflow.JetFlow.from_pretrained(target, "auto", budget=8)
+    first = jf.generate(prompt_ids, max_new_tokens=40)
+    assert first.stats["tau"] > 1.2  # trees were verified and committed
+    held = list(target.token_ids)
+    assert held[:len(prompt_ids)] == list(prompt_ids)
+    for shared in (len(held), len(held) - 7, len(prompt_ids) - 3):
+        follow = held[:shared] + [198, 8538, 314, 216]
+        target.prefix_cache = False
+        fresh = target.prefill(follow, return_hidden=False).logits
+        assert target.reused_tokens == 0
+        target.prefill(held, return_hidden=False)  # the cache holds `held` again
+        target.prefix_cache = True
+        reused = target.prefill(follow, return_hidden=False).logits
+        assert target.reused_tokens == shared and target.token_ids == follow and target.past_len == len(follow)
+        assert torch.equal(reused, fresh), shared
+        target.prefill(held, return_hidden=False)
+    assert target.prefill(held + [5], return_hidden=True).hidden.shape[0] == len(held) + 1
+    assert target.reused_tokens == 0  # features are computed for every position
+    target.prefill(held, return_hidden=False)
+    assert target.reused_tokens == len(held) - 1  # the whole prompt held: its last token runs again, for its logits
+
+
+@pytest.mark.real
+def test_a_chats_next_turn_reuses_the_cache_and_decodes_the_same(llama_target):
+    import jetflow
+
+    target = llama_target
+    turn1 = [{"role": "user", "content": "Name three rivers in Europe."}]
+    answer = jetflow.generate(target, turn1, max_new_tokens=24)
+    turn2 = turn1 + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "Which is longest?"}]
+    cached = jetflow.generate(target, turn2, max_new_tokens=24)
+    target.prefix_cache = False
+    try:
+        fresh = jetflow.generate(target, turn2, max_new_tokens=24)
+    finally:
+        target.prefix_cache = True
+    assert cached.token_ids == fresh.token_ids and fresh.cached_prompt_tokens == 0
+    assert cached.cached_prompt_tokens > len(jetflow.decoding.prompt.encode_prompt(target.tokenizer, turn1))
+
+
+@pytest.mark.real
 def test_trees_near_the_end_of_the_context_finish_like_plain_decoding():
     """On llama.cpp every tree node takes a KV cell until commit, so near the context's end a tree
     whose depth fits may still not: the loop trims it to the free cells, and the request ends with

@@ -32,4 +32,5 @@ def autoregressive_stream(
             token = next_token(target.extend([token]).logits[-1], params, generator)
     if delta := output.drain():
         yield delta
-    yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s, method="ar")
+    yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s, method="ar",
+                                       cached_prompt_tokens=target.reused_tokens)

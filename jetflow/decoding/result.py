@@ -15,6 +15,7 @@ class GenerationResult:
     prefill_seconds: float
     method: str
     stats: dict = field(default_factory=dict)  # method-specific numbers (e.g. rounds, tau)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV the prefill took from the cache (llama.cpp)
 
     @property
     def new_tokens(self) -> int:
@@ -26,9 +27,9 @@ class GenerationResult:
 
     @classmethod
     def from_output(cls, output, prompt_tokens: int, seconds: float, prefill_seconds: float, method: str,
-                    stats: dict | None = None):
+                    stats: dict | None = None, cached_prompt_tokens: int = 0):
         return cls(output.text, list(output.token_ids), prompt_tokens, output.finish_reason or "length",
-                   seconds, prefill_seconds, method, stats or {})
+                   seconds, prefill_seconds, method, stats or {}, cached_prompt_tokens)
 
     def to_dict(self) -> dict:
         d = asdict(self)

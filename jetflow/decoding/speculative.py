@@ -41,6 +41,7 @@ def speculative_stream(
     # that collects them stops once it has drafted and the head is settled as losing.
     features = adaptive is None or adaptive.collects_features()
     pre = target.prefill(prompt_ids, return_hidden=features)
+    cached = target.reused_tokens
     drafter.reset()
     if features:
         drafter.extend(pre.hidden)
@@ -108,7 +109,7 @@ def speculative_stream(
                                        method="jetflow",
                                        stats={"budget": "auto" if adaptive else budget, "width": width,
                                               "features": features or dropped, "features_dropped": dropped,
-                                              **stats.to_dict()})
+                                              **stats.to_dict()}, cached_prompt_tokens=cached)
 
 
 def _verify_round(target: TargetBackend, drafter: Drafter, tree: DraftTree, params: SamplingParams,

@@ -25,13 +25,14 @@ def open_llama(gguf: str | Path, *, n_ctx: int = 4096, n_threads: int | None = N
 
 
 def llama_greedy(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                 output: OutputStream | None = None) -> tuple[list[int], float, str]:
+                 output: OutputStream | None = None, reuse_prefix: bool = False) -> tuple[list[int], float, str]:
     """Greedy tokens (a stop token included, as JetFlow's output counts it), seconds, finish reason.
-    The KV cache is cleared first: ``Llama.generate`` would otherwise reuse a shared prompt prefix
-    from the previous call. ``output``: each token is added to it as it comes, inside the timing,
-    so the reference turns tokens into text as JetFlow's loops do (a speed comparison does the same
-    work on both sides); generation also ends where it finishes."""
-    llm.reset()
+    The KV cache is cleared first unless ``reuse_prefix``: ``Llama.generate`` then reuses the prompt
+    prefix it shares with the previous call, as it does by default. ``output``: each token is added
+    to it as it comes, inside the timing, so the reference turns tokens into text as JetFlow's loops
+    do (a speed comparison does the same work on both sides); generation also ends where it finishes."""
+    if not reuse_prefix:
+        llm.reset()
     tokens: list[int] = []
     reason = "length"
     t0 = time.perf_counter()

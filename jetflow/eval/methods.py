@@ -102,6 +102,9 @@ class MethodRunner:
                  native_drafter: str | Path | None = None, refine: int | str = 1, int8_draft: bool | None = None):
         """``int8_draft``: the heads' weights as int8 (None: the decoder's default for the target)."""
         self.target, self.width, self.heads, self.int8_draft = target, width, heads, int8_draft
+        # Every method prefills every prompt in full, as llama-ar's reference does: one method's KV
+        # must not hand the next the same prompt for free.
+        target.prefix_cache = False
         self.refine = refine  # the second pass of jetflow-refine: passes, or "tree"
         self.native_drafter = native_drafter  # checkpoint dir llama-dflash exports and runs
         self._native_gguf = None

@@ -53,6 +53,7 @@ class TargetBackend(Protocol):
     tapped_layers: tuple[int, ...]
     past_len: int
     token_ids: list[int]
+    reused_tokens: int  # prompt tokens the latest prefill took from the cache instead of computing
 
     @property
     def device(self) -> torch.device: ...

@@ -225,6 +225,8 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._shape = gguf_shape(self.gguf, self.vocab_size)
         self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
         self._row, self._row_address = None, None  # see _logits_row
+        self.prefix_cache = True  # prefill keeps a shared prefix's cells (jetflow bench turns it off: fair timing)
+        self.reused_tokens = 0
         self._taps_enabled: set[int] = set()
         self._taps_on = True
         self._stop_ids = self._eog_ids()
@@ -358,15 +360,26 @@ class LlamaCppTarget(OwnsLlamaContext):
 
     # ------------------------------------------------------------------ forwards
     def prefill(self, prompt_ids, return_hidden: bool = True) -> TargetOutput:
+        """Start a new sequence with ``prompt_ids``. Without features, and with ``prefix_cache`` on,
+        the cells of the longest prefix it shares with what the cache holds are kept (the next turn
+        of a chat, a shared system prompt) and only the rest is computed (``reused_tokens``): the
+        logits are bit for bit a fresh prefill's (one-token and chained decodes give the same rows
+        in this build, and the kept cells are where a fresh prefill puts them)."""
         ids = np.asarray(torch.as_tensor(prompt_ids).flatten().tolist(), dtype=np.int32)
         if ids.size == 0:
             raise InvalidRequestError("empty prompt: nothing to prefill")
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
-        self.reset()
+        keep = self._cached_prefix(ids) if self.prefix_cache and not return_hidden else 0
+        if keep:
+            self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
+            self.past_len, self.token_ids = keep, self.token_ids[:keep]
+        else:
+            self.reset()
+        self.reused_tokens = keep
         self._compute_taps(return_hidden)
         hidden, out = [], None
-        for start in range(0, ids.size, self.n_batch):
+        for start in range(keep, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             self._batch.chain(chunk, self.past_len, all_logits=False)
             self._decode("prefill")
@@ -376,6 +389,19 @@ class LlamaCppTarget(OwnsLlamaContext):
             self.past_len += len(chunk)
             self.token_ids += chunk.tolist()
         return TargetOutput(out.logits, torch.cat(hidden) if hidden else None)
+
+    def _cached_prefix(self, ids: np.ndarray) -> int:
+        """How many leading tokens of ``ids`` (all but the last, whose logits are wanted) the cache
+        holds in place: committed tokens whose cells were dropped (``_redo``) do not count."""
+        self._drop_pending()
+        held = min(self.past_len - len(self._redo), ids.size - 1)
+        if held <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(self.token_ids[:held], dtype=np.int32) != ids[:held])
+        keep = int(differ[0]) if differ.size else held
+        if keep:
+            self._redo = []
+        return keep
 
     def verify(self, tokens, parents: Sequence[int], return_hidden: bool = True) -> TargetOutput:
         ids = np.asarray(tokens.flatten().tolist() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int32)

@@ -150,6 +150,7 @@ class TargetModel:
         self.cache = PreallocatedCache()
         self.past_len = 0  # committed tokens in the cache
         self.token_ids: list[int] = []  # the committed tokens themselves
+        self.reused_tokens = 0  # (every prefill computes its whole prompt here)
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
 
