@@ -37,6 +37,7 @@ def main() -> int:
 
     shipped = jetflow.JetFlow.from_pretrained(backend=args.backend, n_threads=args.threads, drafter="auto")
     target = shipped.target
+    target.prefix_cache = False  # every method prefills in full, as in jetflow bench
     always = jetflow.JetFlow.from_pretrained(target, drafter="auto")  # same target, its own budget state
     budget = always.adaptive_budget()
     budget.reprobe_every = budget.max_reprobe_every = 1  # every request collects features

@@ -30,6 +30,7 @@ args = ap.parse_args()
 jf = jetflow.JetFlow.from_pretrained("smollm2-135m-instruct", "auto", backend=args.backend, budget="auto",
                                      n_threads=args.threads)
 t = jf.target
+t.prefix_cache = False  # every method prefills in full, as in jetflow bench
 dec = BatchDecoder(t, jf.drafter.head, lookup=jf.lookup, int8=jf.int8_draft,
                    load_budget=LoadBudget(jf.adaptive_budget().costs), max_batch=32)
 prof = cProfile.Profile()

@@ -44,6 +44,7 @@ def main() -> int:
 
     decoder = jetflow.JetFlow.from_pretrained(backend="llamacpp", n_threads=args.threads, drafter="auto")
     target = decoder.target
+    target.prefix_cache = False  # every method prefills in full, as in jetflow bench
     llm = open_llama(target.gguf, n_ctx=target.max_context, n_threads=args.threads, flash_attn=target.flash_attn)
     stop = target.stop_token_ids()
 

@@ -281,6 +281,12 @@ def test_a_chats_next_turn_reuses_the_cache_and_decodes_the_same(llama_target):
         target.prefix_cache = True
     assert cached.token_ids == fresh.token_ids and fresh.cached_prompt_tokens == 0
     assert cached.cached_prompt_tokens > len(jetflow.decoding.prompt.encode_prompt(target.tokenizer, turn1))
+    # --compare / --check-lossless: the reference prefills in full, not from the run just before it
+    from jetflow.decoding.reference import generate_with_reference
+
+    run, reference = generate_with_reference(jetflow.JetFlow.from_pretrained(target, "none"), turn2,
+                                             reference=True, max_new_tokens=8)
+    assert reference.cached_prompt_tokens == 0 and reference.token_ids == run.token_ids
 
 
 @pytest.mark.real

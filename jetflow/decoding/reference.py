@@ -21,4 +21,7 @@ def generate_with_reference(jf, prompt, *, reference: bool, on_delta: Callable[[
                 on_delta(event)
         else:
             result = event
-    return result, autoregressive_generate(jf.target, prompt, **request) if reference else None
+    if not reference:
+        return result, None
+    jf.target.reset()  # the reference prefills the prompt in full too, not from the run's cached cells
+    return result, autoregressive_generate(jf.target, prompt, **request)
