@@ -536,8 +536,12 @@ def cmd_serve(args) -> int:
 
     from jetflow.serve.server import serve
 
-    # loaded in the engine's thread: see jetflow/serve/server.py
-    serve(lambda: _load_jetflow(args), host=args.host, port=args.port, max_queue=args.max_queue,
+    def load():  # in the engine's thread: see jetflow/serve/server.py
+        jf = _load_jetflow(args)
+        jf.target.prefix_cache = args.prefix_cache == "on"
+        return jf
+
+    serve(load, host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens)
@@ -876,6 +880,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together, continuously batched: each step verifies all their drafts in "
                         "one forward (1 = one request at a time); on llama.cpp each request holds a KV stream of the "
                         "model's context length")
+    v.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="llama.cpp: start a prompt from the cached cells of the prefix it shares with an earlier one "
+                        "(a chat's next turn, a system prompt; outputs unchanged). off: every prompt is prefilled in "
+                        "full, so no client's timing tells what others sent (default: on)")
     v.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
                    help="prompt tokens prefilled between two decoding steps of a batch (at least one request): "
                         "requests arriving together are admitted over several steps, so running ones keep "

@@ -28,6 +28,15 @@ def test_generate_reads_the_prompt_from_stdin_for_a_dash(tiny_dir, capsys, monke
     assert main(["generate", "-", *args]) == 2 and "empty prompt" in capsys.readouterr().err
 
 
+def test_serve_prefix_cache_flag_reaches_the_target(tiny_dir, monkeypatch):
+    loaded = {}
+    monkeypatch.setattr("jetflow.serve.server.serve", lambda load, **kw: loaded.setdefault("jf", load()))
+    for value, want in (("off", False), ("on", True)):
+        loaded.clear()
+        assert main(["serve", "--target", str(tiny_dir), "--drafter", "none", "--prefix-cache", value]) == 0
+        assert loaded["jf"].target.prefix_cache is want
+
+
 def test_generate_streams_text(tiny_dir, capsys):
     rc = main(["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "8", "--no-chat",
                "--temperature", "0.8", "--seed", "1", "--top-k", "20", "--top-p", "0.9"])

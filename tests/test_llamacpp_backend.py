@@ -238,31 +238,42 @@ def test_errors_are_clear(llama_target, prompt_ids, monkeypatch):
 @pytest.mark.real
 def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, prompt_ids):
     """A prompt that extends what the cache holds (the next turn of a chat) computes only its new
-    tokens, and its logits equal a fresh prefill's exactly: also after a speculative request whose
-    accepted side branches were dropped and written again, and never when features are asked for."""
+    tokens, and its logits equal a fresh prefill's exactly. The cells come from a speculative request
+    that ended on an accepted side branch (committed tokens whose cells were dropped, ``_redo``, which
+    must not count); features are never taken from the cache."""
     import jetflow
 
     target = llama_target
     jf = jetflow.JetFlow.from_pretrained(target, "auto", budget=8)
-    first = jf.generate(prompt_ids, max_new_tokens=40)
-    assert first.stats["tau"] > 1.2  # trees were verified and committed
-    held = list(target.token_ids)
-    assert held[:len(prompt_ids)] == list(prompt_ids)
-    for shared in (len(held), len(held) - 7, len(prompt_ids) - 3):
-        follow = held[:shared] + [198, 8538, 314, 216]
-        target.prefix_cache = False
-        fresh = target.prefill(follow, return_hidden=False).logits
-        assert target.reused_tokens == 0
-        target.prefill(held, return_hidden=False)  # the cache holds `held` again
-        target.prefix_cache = True
+
+    def speculative_run() -> list[int]:
+        result = jf.generate(prompt_ids, max_new_tokens=30)
+        assert result.stats["tau"] > 1.2 and target._redo  # trees committed, the last on a side branch
+        return list(target.token_ids)
+
+    held = speculative_run()
+    in_cells = len(held) - len(target._redo)
+    follows = {shared: held[:shared] + [198, 8538, 314, 216] for shared in (len(held), len(held) - 7, len(prompt_ids) - 3)}
+    target.prefix_cache = False
+    fresh = {shared: target.prefill(follow, return_hidden=False).logits for shared, follow in follows.items()}
+    assert target.reused_tokens == 0
+    target.prefix_cache = True
+    for shared, follow in follows.items():
+        assert speculative_run() == held
         reused = target.prefill(follow, return_hidden=False).logits
-        assert target.reused_tokens == shared and target.token_ids == follow and target.past_len == len(follow)
-        assert torch.equal(reused, fresh), shared
-        target.prefill(held, return_hidden=False)
-    assert target.prefill(held + [5], return_hidden=True).hidden.shape[0] == len(held) + 1
+        assert target.reused_tokens == min(shared, in_cells) and target.token_ids == follow
+        assert target.past_len == len(follow) and not target._redo
+        assert torch.equal(reused, fresh[shared]), shared
+    assert target.prefill(follow + [5], return_hidden=True).hidden.shape[0] == len(follow) + 1
     assert target.reused_tokens == 0  # features are computed for every position
-    target.prefill(held, return_hidden=False)
-    assert target.reused_tokens == len(held) - 1  # the whole prompt held: its last token runs again, for its logits
+    target.prefill(follow, return_hidden=False)
+    assert target.reused_tokens == len(follow) - 1  # the whole prompt held: its last token runs again, for its logits
+    target.flash_attn = True  # (the context's kernel is set at load; only the cache's decision is checked here)
+    try:
+        target.prefill(follow, return_hidden=False)
+        assert target.reused_tokens == 0  # flash attention's rows depend on how many run together
+    finally:
+        target.flash_attn = False
 
 
 @pytest.mark.real
@@ -312,6 +323,9 @@ def test_trees_near_the_end_of_the_context_finish_like_plain_decoding():
     for budget in (16, 64):
         spec = jetflow.JetFlow.from_pretrained(small, "auto", budget=budget).generate(prompt, max_new_tokens=100)
         assert spec.token_ids == plain.token_ids and spec.finish_reason == "length", budget
+    narrow = LlamaCppTarget(gguf, gguf_tokenizer(gguf), name=name, n_ctx=1024, n_batch=256, n_threads=2)
+    wide = jetflow.JetFlow.from_pretrained(narrow, "auto", budget=256).generate("Count to five.", max_new_tokens=12)
+    assert wide.token_ids == jetflow.generate(narrow, "Count to five.", max_new_tokens=12).token_ids  # 257 > 256
     small.prefill(ids)
     room = small.tree_room()
     assert room == small.max_context - len(ids)

@@ -19,6 +19,7 @@ def autoregressive_stream(
     t0 = time.perf_counter()
     generator = params.make_generator(target.device)
     token = next_token(target.prefill(prompt_ids, return_hidden=False).logits[-1], params, generator)
+    cached = target.reused_tokens
     prefill_s = time.perf_counter() - t0
     while True:
         if output.add(token) or target.past_len >= target.max_context:
@@ -33,4 +34,4 @@ def autoregressive_stream(
     if delta := output.drain():
         yield delta
     yield GenerationResult.from_output(output, len(prompt_ids), time.perf_counter() - t0, prefill_s, method="ar",
-                                       cached_prompt_tokens=target.reused_tokens)
+                                       cached_prompt_tokens=cached)

@@ -225,7 +225,9 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._shape = gguf_shape(self.gguf, self.vocab_size)
         self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
         self._row, self._row_address = None, None  # see _logits_row
-        self.prefix_cache = True  # prefill keeps a shared prefix's cells (jetflow bench turns it off: fair timing)
+        # prefill keeps a shared prefix's cells (jetflow bench turns it off, for fair timing; flash attention
+        # ignores it: see prefill)
+        self.prefix_cache = True
         self.reused_tokens = 0
         self._taps_enabled: set[int] = set()
         self._taps_on = True
@@ -364,30 +366,35 @@ class LlamaCppTarget(OwnsLlamaContext):
         the cells of the longest prefix it shares with what the cache holds are kept (the next turn
         of a chat, a shared system prompt) and only the rest is computed (``reused_tokens``): the
         logits are bit for bit a fresh prefill's (one-token and chained decodes give the same rows
-        in this build, and the kept cells are where a fresh prefill puts them)."""
+        in this build, and the kept cells are where a fresh prefill puts them). Not with flash
+        attention, whose rows depend on how many are decoded together: it turns the cache off."""
         ids = np.asarray(torch.as_tensor(prompt_ids).flatten().tolist(), dtype=np.int32)
         if ids.size == 0:
             raise InvalidRequestError("empty prompt: nothing to prefill")
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
-        keep = self._cached_prefix(ids) if self.prefix_cache and not return_hidden else 0
-        if keep:
-            self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
-            self.past_len, self.token_ids = keep, self.token_ids[:keep]
-        else:
+        keep = self._cached_prefix(ids) if self.prefix_cache and not self.flash_attn and not return_hidden else 0
+        try:
+            if keep:
+                self.past_len, self.token_ids = keep, self.token_ids[:keep]
+                self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
+            else:
+                self.reset()
+            self.reused_tokens = keep
+            self._compute_taps(return_hidden)
+            hidden, out = [], None
+            for start in range(keep, ids.size, self.n_batch):
+                chunk = ids[start:start + self.n_batch]
+                self._batch.chain(chunk, self.past_len, all_logits=False)
+                self._decode("prefill")
+                out = self._outputs(1, len(chunk), return_hidden)
+                if out.hidden is not None:
+                    hidden.append(out.hidden)
+                self.past_len += len(chunk)
+                self.token_ids += chunk.tolist()
+        except BaseException:  # (an interrupt too) cells and bookkeeping could disagree: start clean
             self.reset()
-        self.reused_tokens = keep
-        self._compute_taps(return_hidden)
-        hidden, out = [], None
-        for start in range(keep, ids.size, self.n_batch):
-            chunk = ids[start:start + self.n_batch]
-            self._batch.chain(chunk, self.past_len, all_logits=False)
-            self._decode("prefill")
-            out = self._outputs(1, len(chunk), return_hidden)
-            if out.hidden is not None:
-                hidden.append(out.hidden)
-            self.past_len += len(chunk)
-            self.token_ids += chunk.tolist()
+            raise
         return TargetOutput(out.logits, torch.cat(hidden) if hidden else None)
 
     def _cached_prefix(self, ids: np.ndarray) -> int:
@@ -418,9 +425,9 @@ class LlamaCppTarget(OwnsLlamaContext):
             check_parents(parents)
         self._drop_pending()
         depths = None if chain else np.asarray(tree_depths(parents), dtype=np.int32)
-        if n > self.tree_room():  # (a tree's depth fits whenever its nodes do)
-            raise InvalidRequestError(f"a tree of {n} tokens needs as many free KV cells: {self.tree_room()} of the "
-                                      f"{self.max_context}-token context are free")
+        if self.past_len + n > self.max_context:  # (a tree's depth fits whenever its nodes do)
+            raise InvalidRequestError(f"a tree of {n} tokens needs as many free KV cells: {self.max_context - self.past_len} "
+                                      f"of the {self.max_context}-token context are free")
         if (ids < 0).any() or (ids >= self.vocab_size).any():
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
         member = _CHAIN if chain else path_membership(parents)
@@ -489,7 +496,8 @@ class LlamaCppTarget(OwnsLlamaContext):
         return out
 
     def tree_room(self) -> int:
-        return self.max_context - self.past_len  # every node takes a cell of the unified KV cache until commit
+        # every node takes a cell of the unified KV cache until commit, and a place in the decode's batch
+        return min(self.max_context - self.past_len, self.n_batch - len(self._redo))
 
     def greedy_step(self, token: int) -> int:
         """Commit ``token`` and return the target's greedy next token: ``extend([token])`` and the

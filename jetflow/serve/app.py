@@ -246,12 +246,14 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                     break
             yield "data: [DONE]\n\n"
             finished = True
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
+            scope[CLIENT_GONE] = True  # counted as 499, though the stream's 200 went out
+            raise
         finally:
             state["in_flight"] -= 1
-            if not finished:  # the client went away mid-stream: stop generating for it
+            if not finished:  # stop generating for nobody
                 job.cancel()
                 metrics.cancel()
-                scope[CLIENT_GONE] = True  # counted as 499, though the stream's 200 went out
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
