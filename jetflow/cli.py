@@ -73,12 +73,11 @@ def _device_and_dtype(args):
 
 def _check_drafter_dirs(paths) -> None:
     """JetFlowError naming the first path that is not a drafter checkpoint directory."""
-    for path in paths:
-        if Path(path).exists() and not Path(path).is_dir():
-            raise JetFlowError(f"drafter checkpoint must be a directory (config.json + model.safetensors), "
-                               f"got a file: {path}")
-        if not Path(path).is_dir():
-            raise JetFlowError(f"drafter checkpoint directory not found: {path}")
+    for path in map(Path, paths):
+        if path.is_dir():
+            continue
+        raise JetFlowError(f"drafter checkpoint must be a directory (config.json + model.safetensors), got a file: "
+                           f"{path}" if path.exists() else f"drafter checkpoint directory not found: {path}")
 
 
 def _load_jetflow(args):

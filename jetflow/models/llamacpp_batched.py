@@ -176,7 +176,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
     def _shared_prefix(self, prompt: np.ndarray) -> int:
         """Leading tokens ``prompt`` can take from the cache stream (0 when too few to bother); at
         least one token is left to prefill, whose logits the caller needs."""
-        if not self.target.prefix_cache or self.target.flash_attn:  # (off as the target's own: see its prefill)
+        if not self.target.reuses_prefixes:  # (off when the target's own cache is)
             return 0
         m = _common_prefix(np.asarray(self._cached, dtype=np.int32), prompt[:-1])
         return m if m >= MIN_SHARED else 0

@@ -225,9 +225,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._shape = gguf_shape(self.gguf, self.vocab_size)
         self._embedding, self._lm_head = gguf_output_weights(self.gguf, self._shape)
         self._row, self._row_address = None, None  # see _logits_row
-        # prefill keeps a shared prefix's cells (jetflow bench turns it off, for fair timing; flash attention
-        # ignores it: see prefill)
-        self.prefix_cache = True
+        self.prefix_cache = True  # prefill keeps a shared prefix's cells (jetflow bench turns it off: fair timing)
         self.reused_tokens = 0
         self._taps_enabled: set[int] = set()
         self._taps_on = True
@@ -373,10 +371,13 @@ class LlamaCppTarget(OwnsLlamaContext):
             raise InvalidRequestError("empty prompt: nothing to prefill")
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
-        keep = self._cached_prefix(ids) if self.prefix_cache and not self.flash_attn and not return_hidden else 0
+        keep = 0
+        if self.reuses_prefixes and not return_hidden:
+            self._drop_pending()
+            keep = self._cached_prefix(ids)
         try:
-            if keep:
-                self.past_len, self.token_ids = keep, self.token_ids[:keep]
+            if keep:  # (the dropped cells of _redo lie past the kept ones)
+                self.past_len, self.token_ids, self._redo = keep, self.token_ids[:keep], []
                 self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
             else:
                 self.reset()
@@ -400,15 +401,17 @@ class LlamaCppTarget(OwnsLlamaContext):
     def _cached_prefix(self, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` (all but the last, whose logits are wanted) the cache
         holds in place: committed tokens whose cells were dropped (``_redo``) do not count."""
-        self._drop_pending()
         held = min(self.past_len - len(self._redo), ids.size - 1)
         if held <= 0:
             return 0
         differ = np.flatnonzero(np.asarray(self.token_ids[:held], dtype=np.int32) != ids[:held])
-        keep = int(differ[0]) if differ.size else held
-        if keep:
-            self._redo = []
-        return keep
+        return int(differ[0]) if differ.size else held
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether a prefill may start from cached cells: ``prefix_cache`` on, and not with flash
+        attention, whose rows depend on how many are decoded together."""
+        return self.prefix_cache and not self.flash_attn
 
     def verify(self, tokens, parents: Sequence[int], return_hidden: bool = True) -> TargetOutput:
         ids = np.asarray(tokens.flatten().tolist() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int32)

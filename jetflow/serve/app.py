@@ -171,7 +171,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                 if kind == "error":
                     raise payload
                 if kind == "cancelled":
-                    raise EngineStopped(payload or "generation cancelled")
+                    raise EngineStopped(payload)
         finally:
             gone.cancel()
             job.cancel()  # no-op when finished; stops the worker if this handler was abandoned
@@ -239,7 +239,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                         yield f"data: {json.dumps(body)}\n\n"
                     break
                 else:  # error or cancellation inside the worker: report it in the stream, then end it
-                    err = payload if isinstance(payload, Exception) else EngineStopped(payload or "generation cancelled")
+                    err = payload if isinstance(payload, Exception) else EngineStopped(payload)
                     status = 400 if isinstance(err, InvalidRequestError) else 503 if isinstance(
                         err, EngineStopped) else 500
                     yield f"data: {json.dumps(APIError(status, str(err), type='server_error').body())}\n\n"

@@ -46,10 +46,11 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: int = 0
-    reason: str | None = None  # why it was cancelled, when not by its client
+    reason: str = "generation cancelled"  # what the client is told (the first cancel's reason)
 
     def cancel(self, reason: str | None = None) -> None:
-        self.reason = self.reason or reason
+        if reason is not None and not self.cancelled.is_set():
+            self.reason = reason
         self.cancelled.set()
 
     def _emit(self, kind: str, payload) -> None:
