@@ -543,7 +543,8 @@ def cmd_serve(args) -> int:
     serve(load, host=args.host, port=args.port, max_queue=args.max_queue,
           api_key=args.api_key or os.environ.get("JETFLOW_API_KEY") or None, model_name=args.model_name,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-          max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens)
+          max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+          prefix_slots=args.prefix_cache_slots)
     return 0
 
 
@@ -883,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: start a prompt from the cached cells of the prefix it shares with an earlier one "
                         "(a chat's next turn, a system prompt; outputs unchanged). off: every prompt is prefilled in "
                         "full, so no client's timing tells what others sent (default: on)")
+    v.add_argument("--prefix-cache-slots", type=_non_negative_int, default=4,
+                   help="llama.cpp with --max-batch > 1: recent prompts and finished conversations kept for the "
+                        "prefix cache, each in a KV stream of the model's context length (default: %(default)s)")
     v.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
                    help="prompt tokens prefilled between two decoding steps of a batch (at least one request): "
                         "requests arriving together are admitted over several steps, so running ones keep "

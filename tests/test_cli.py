@@ -37,6 +37,16 @@ def test_serve_prefix_cache_flag_reaches_the_target(tiny_dir, monkeypatch):
         assert loaded["jf"].target.prefix_cache is want
 
 
+def test_serve_prefix_cache_slots_reach_the_batch(tiny_dir, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr("jetflow.serve.server.serve", lambda load, **kw: seen.update(kw))
+    assert main(["serve", "--target", str(tiny_dir), "--drafter", "none", "--prefix-cache-slots", "0"]) == 0
+    assert seen["prefix_slots"] == 0
+    with pytest.raises(SystemExit):
+        main(["serve", "--target", str(tiny_dir), "--prefix-cache-slots", "-1"])
+    assert "--prefix-cache-slots" in capsys.readouterr().err
+
+
 def test_generate_streams_text(tiny_dir, capsys):
     rc = main(["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "8", "--no-chat",
                "--temperature", "0.8", "--seed", "1", "--top-k", "20", "--top-p", "0.9"])

@@ -164,6 +164,77 @@ def test_prompt_prefix_cache_gives_the_same_rows(llama_target):
         batch.commit({i: [0, 1] for i in ids})
 
 
+
+def test_prefix_cache_keeps_finished_conversations(llama_target):
+    """Finished sequences (prompt and answer) go into the prefix cache, least recently used out:
+    every entry's cells and features equal a fresh prefill of its tokens, and a next turn that
+    starts with a cached conversation prefills only its new tokens, with the same rows as alone."""
+    from jetflow.decoding.prompt import encode_prompt
+    from jetflow.models.llamacpp_batched import MIN_SHARED, LlamaCppBatchedTarget
+
+    t = llama_target
+    rng = random.Random(3)
+    prompts = [encode_prompt(t.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    batch = LlamaCppBatchedTarget(t, max_seqs=2, context_per_seq=256, prefix_slots=2)
+
+    def converse(prompt, steps):  # join, verify and commit chains of random length, remember, leave
+        sid, _ = batch.join(prompt)
+        for _ in range(steps):
+            k = rng.randrange(1, 4)
+            batch.verify({sid: chain(rng, k)})
+            batch.commit({sid: list(range(rng.randrange(1, k + 1)))})
+        tokens = list(batch.token_ids(sid))
+        batch.remember(sid)
+        batch.leave(sid)
+        return tokens
+
+    first = converse(prompts[0], 4)  # the system block is cached with it: the next ones reuse it
+    second = converse(prompts[1], 3)
+    assert [e.token_ids for e in batch._cached] == [first, second]  # the second extended nothing
+    reused = batch.prefix_tokens_reused
+    follow_up = first + [rng.randrange(100, 20000) for _ in range(MIN_SHARED)]
+    sid, out = batch.join(follow_up)  # the first conversation's next turn: only the new tokens are prefilled
+    assert batch.prefix_tokens_reused - reused == len(first)
+    ref = t.prefill(follow_up)
+    assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
+    batch.remember(sid)  # it extends the first conversation's entry, which makes room
+    batch.leave(sid)
+    assert [e.token_ids for e in batch._cached] == [second, follow_up]
+    third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
+    assert [e.token_ids for e in batch._cached] == [follow_up, third]
+    for entry in batch._cached:  # brute force: each stream holds a fresh prefill's cells and features
+        assert torch.equal(entry.hidden, t.prefill(entry.token_ids).hidden)
+        sid, out = batch.join(entry.token_ids + [7])
+        assert torch.equal(out.logits, t.prefill(entry.token_ids + [7]).logits[-1:])
+        batch.leave(sid)
+
+
+def test_next_turn_through_the_batch_decoder(llama_target):
+    """A greedy chat's second turn, after the first finished in a batch, reuses the first turn's
+    cells (prompt and answer) and still equals plain decoding token for token."""
+    from jetflow.decoding.batch import BatchDecoder, BatchRequest
+    from jetflow.decoding.api import prepare_request
+    from jetflow.models.checkpoint import load_drafter
+
+    t = llama_target
+    head = load_drafter("jetflow/drafters/smollm2-135m-instruct", target=t)
+    decoder = BatchDecoder(t, head, max_batch=2)
+    turns = [{"role": "user", "content": QUESTIONS[1]}]
+    for follow_up in ["And in June she sold 10 more. How many now?", None]:
+        ids, params, output = prepare_request(t, turns, max_new_tokens=32)
+        reused = decoder.batch.prefix_tokens_reused
+        r = decoder.add(BatchRequest(ids, params, output, budget=4))
+        while decoder.active:
+            decoder.step()
+        alone = jetflow.generate(t, turns, max_new_tokens=32)
+        assert r.result.token_ids == alone.token_ids
+        if follow_up is None:  # the second turn's prompt started with the first turn's prompt and answer
+            assert decoder.batch.prefix_tokens_reused - reused > len(first_prompt) + 16
+            break
+        first_prompt = ids
+        turns += [{"role": "assistant", "content": r.result.text}, {"role": "user", "content": follow_up}]
+
+
 def test_batched_llamacpp_server_equals_solo(tmp_path):
     """`jetflow serve --backend llamacpp --max-batch 3`: five concurrent requests of different
     lengths (streamed and not) each get llama.cpp's own greedy output."""

@@ -73,10 +73,11 @@ class _RowView:
 
 class BatchDecoder:
     def __init__(self, target, head=None, *, lookup: bool = True, int8: bool = False,
-                 load_budget: LoadBudget | None = None, max_batch: int = 32):
+                 load_budget: LoadBudget | None = None, max_batch: int = 32, prefix_slots: int | None = None):
         """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py);
-        ``max_batch``: the most requests at once (llama.cpp reserves a KV stream for each)."""
-        self.batch = batched_target(target, max_batch)
+        ``max_batch``: the most requests at once (llama.cpp reserves a KV stream for each);
+        ``prefix_slots``: llama.cpp's prefix cache streams (models/llamacpp_batched.py)."""
+        self.batch = batched_target(target, max_batch, prefix_slots)
         self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
         self.load_budget = load_budget
         self._template = None  # the drafter requests' drafters are forked from
@@ -222,6 +223,8 @@ class BatchDecoder:
 
     def _finish(self, r: BatchRequest) -> BatchRequest:
         self.active.remove(r)
+        if hasattr(self.batch, "remember"):  # its conversation so far, for its next turn
+            self.batch.remember(r.id)
         self.batch.leave(r.id)
         r.result = GenerationResult.from_output(
             r.output, len(r.prompt_ids), time.perf_counter() - r._t0, r._prefill_s, method="jetflow-batch",

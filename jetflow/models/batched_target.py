@@ -72,12 +72,14 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
 
 
-def batched_target(target, max_seqs: int = 32):
-    """The many-sequence view of ``target`` for its backend."""
+def batched_target(target, max_seqs: int = 32, prefix_slots: int | None = None):
+    """The many-sequence view of ``target`` for its backend; ``prefix_slots``: llama.cpp's prefix
+    cache streams (None: its default; the torch rows have no prefix cache)."""
     if target.backend == "llamacpp":
-        from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+        from jetflow.models.llamacpp_batched import DEFAULT_PREFIX_SLOTS, LlamaCppBatchedTarget
 
-        return LlamaCppBatchedTarget(target, max_seqs=max_seqs)
+        return LlamaCppBatchedTarget(target, max_seqs=max_seqs,
+                                     prefix_slots=DEFAULT_PREFIX_SLOTS if prefix_slots is None else prefix_slots)
     return BatchedTarget(target)
 
 

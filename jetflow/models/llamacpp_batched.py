@@ -16,11 +16,14 @@ sequence ids, and a token may belong to one sequence only. So:
 Rows of a verify are in sequence-id order; llama.cpp returns logits and layer-input taps in batch
 order, so every request gets exactly its own rows.
 
-Prompt prefix cache: one more stream keeps a recent prompt's cells (and its tapped features). A
-joining prompt that shares at least ``MIN_SHARED`` leading tokens with it (a chat template's
-system block, a shared document) starts from a copy of that stream and prefills only the rest. The
-copied cells are what its own prefill would have written (rows do not depend on the batch), so the
-output is unchanged.
+Prefix cache: ``prefix_slots`` more streams keep recent sequences' cells (and their tapped
+features): prompts as they join, and whole conversations (prompt and answer) as they finish, so a
+chat's next turn finds its previous turn there. A joining prompt that shares at least ``MIN_SHARED``
+leading tokens with one of them (a chat template's system block, a shared document, the turns so
+far) starts from a copy of that stream and prefills only the rest. The copied cells are what its own
+prefill would have written (rows do not depend on the batch), so the output is unchanged. The least
+recently used entry makes room; a copy between streams moves the whole stream (llama.cpp copies
+full stream buffers), a few ms per join or finish.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from jetflow.models.llamacpp_target import LlamaCppError, OwnsLlamaContext, _Bat
 
 
 MIN_SHARED = 16  # shortest shared prompt prefix worth copying a stream for
+DEFAULT_PREFIX_SLOTS = 4  # cache streams: each costs a sequence's KV cells
 
 
 @dataclass
@@ -45,22 +49,34 @@ class _Seq:
     slot: int  # llama.cpp sequence id
     length: int
     token_ids: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # features of its cells, kept for the cache
+
+
+@dataclass
+class _Cached:
+    slot: int  # the cache stream holding its cells
+    token_ids: list[int]
+    hidden: torch.Tensor | None  # their tapped features (None without taps)
 
 
 class LlamaCppBatchedTarget(OwnsLlamaContext):
     chains_only = True  # each sequence verifies one chain per step (see the module docstring)
 
-    def __init__(self, target, max_seqs: int = 32, context_per_seq: int | None = None, n_batch: int | None = None):
+    def __init__(self, target, max_seqs: int = 32, context_per_seq: int | None = None, n_batch: int | None = None,
+                 prefix_slots: int = DEFAULT_PREFIX_SLOTS):
         if target.backend != "llamacpp":
             raise JetFlowError("LlamaCppBatchedTarget needs a llama.cpp target")
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+        if prefix_slots < 0:
+            raise ValueError(f"prefix_slots must be >= 0, got {prefix_slots}")
         self.target, self._lib, self.max_seqs = target, target._lib, int(max_seqs)
         per_seq = int(context_per_seq or target.max_context)
         per_seq = -(-per_seq // 256) * 256  # llama.cpp rounds each sequence's share up to 256 cells
         self.n_batch = int(n_batch or max(target.n_batch, 17 * self.max_seqs))
-        # streams 0..max_seqs-1 for requests, stream max_seqs for the prompt prefix cache
-        self._ctx = target.new_context(per_seq * (self.max_seqs + 1), self.n_batch, self.max_seqs + 1, unified=False)
+        # streams 0..max_seqs-1 for requests, the next prefix_slots for the prefix cache
+        streams = self.max_seqs + int(prefix_slots)
+        self._ctx = target.new_context(per_seq * streams, self.n_batch, streams, unified=False)
         self._model = None  # the model belongs to the target
         self.max_context = per_seq
         self._mem = self._lib.llama_get_memory(self._ctx)
@@ -70,9 +86,9 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self.seqs: list[_Seq] = []  # seqs[i].slot == i
         self._next_id = 0
         self._pending: dict[int, int] | None = None  # sequence id -> nodes of its verified chain
-        self._cache_slot = self.max_seqs
-        self._cached: list[int] = []  # the prompt held by the cache stream
-        self._cached_hidden: torch.Tensor | None = None
+        self._cache_slots = list(range(self.max_seqs, streams))
+        self._cached: list[_Cached] = []  # least recently used first
+        self._taps = bool(target.tapped_layers)
         self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to the cache
 
     # ------------------------------------------------------------------ sequences
@@ -109,7 +125,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                                           f"{self.max_context} tokens of context")
             if (p < 0).any() or (p >= self.target.vocab_size).any():
                 raise InvalidRequestError(f"token ids must be in [0, {self.target.vocab_size})")
-        shared = [self._shared_prefix(p) for p in prompts]
+        offers = [self._cached_prefix(p) for p in prompts]
+        shared = [m for _, m in offers]
         if len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
                                                          for p in prompts[1:]):
             # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
@@ -123,12 +140,14 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         fed = list(shared)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
         hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
-        for i, m in enumerate(shared):
+        for i, (entry, m) in enumerate(offers):
             if m:  # start from a copy of the cache stream, cut to the shared part
-                self._lib.llama_memory_seq_cp(self._mem, self._cache_slot, first + i, -1, -1)
+                self._lib.llama_memory_seq_cp(self._mem, entry.slot, first + i, -1, -1)
                 self._lib.llama_memory_seq_rm(self._mem, first + i, m, -1)
-                if self._cached_hidden is not None:
-                    hidden[i].append(self._cached_hidden[:m])
+                if entry.hidden is not None:
+                    hidden[i].append(entry.hidden[:m])
+                self._cached.remove(entry)  # now the most recently used
+                self._cached.append(entry)
         try:
             while any(f < p.size for f, p in zip(fed, prompts)):
                 n, spans = 0, []  # spans: (prompt index, first batch row, rows)
@@ -161,25 +180,59 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                 self._lib.llama_memory_seq_rm(self._mem, first + i, -1, -1)
             raise
         self.prefix_tokens_reused += sum(shared)
-        if max(shared) == 0:  # the cache serves none of them: renew it
-            self._lib.llama_memory_seq_cp(self._mem, first, self._cache_slot, -1, -1)
-            self._cached = prompts[0].tolist()
-            self._cached_hidden = torch.cat(hidden[0]) if hidden[0] else None
         joined = []
         for i, p in enumerate(prompts):
-            s = _Seq(self._next_id, first + i, int(p.size), p.tolist())
+            features = torch.cat(hidden[i]) if hidden[i] else None
+            s = _Seq(self._next_id, first + i, int(p.size), p.tolist(), [features] if features is not None else [])
             self._next_id += 1
             self.seqs.append(s)
-            joined.append((s.id, TargetOutput(logits[i], torch.cat(hidden[i]) if hidden[i] else None)))
+            joined.append((s.id, TargetOutput(logits[i], features)))
+        if max(shared) == 0:  # the cache serves none of them: the first one's prompt goes in
+            self._remember(self.seqs[first])
         return joined
 
-    def _shared_prefix(self, prompt: np.ndarray) -> int:
-        """Leading tokens ``prompt`` can take from the cache stream (0 when too few to bother); at
-        least one token is left to prefill, whose logits the caller needs."""
-        if not self.target.reuses_prefixes:  # (off when the target's own cache is)
-            return 0
-        m = _common_prefix(np.asarray(self._cached, dtype=np.int32), prompt[:-1])
-        return m if m >= MIN_SHARED else 0
+    def _caching(self) -> bool:
+        return bool(self._cache_slots) and self.target.reuses_prefixes  # (off when the target's own cache is)
+
+    def _cached_prefix(self, prompt: np.ndarray) -> tuple[_Cached | None, int]:
+        """The cache entry sharing the longest prefix with ``prompt`` and how many leading tokens
+        that is ((None, 0) when too few to bother); at least one token is left to prefill, whose
+        logits the caller needs."""
+        if not self._caching():
+            return None, 0
+        best, m = None, 0
+        for entry in reversed(self._cached):  # on a tie the most recent, so the oldest stays the oldest
+            k = _common_prefix(np.asarray(entry.token_ids, dtype=np.int32), prompt[:-1])
+            if k > m:
+                best, m = entry, k
+        return (best, m) if m >= MIN_SHARED else (None, 0)
+
+    def remember(self, seq_id: int) -> None:
+        """Keep the cells of sequence ``seq_id`` (prompt and answer so far) in the prefix cache, for
+        a next turn that starts with them; called as a finished request leaves."""
+        self._remember(self._seq(seq_id))
+
+    def _remember(self, s: _Seq) -> None:
+        if not self._caching():
+            return
+        tokens = s.token_ids
+        for entry in self._cached:
+            if entry.token_ids[:len(tokens)] == tokens:  # already held: only its use is new
+                self._cached.remove(entry)
+                self._cached.append(entry)
+                return
+        # an entry it extends (the previous turn) makes room first, then a free stream, then the oldest
+        extended = [e for e in self._cached if tokens[:len(e.token_ids)] == e.token_ids]
+        free = [slot for slot in self._cache_slots if slot not in {e.slot for e in self._cached}]
+        victim = extended[0] if extended else None if free else self._cached[0]
+        if victim is not None:
+            self._cached.remove(victim)
+        slot = victim.slot if victim is not None else free[0]
+        self._lib.llama_memory_seq_cp(self._mem, s.slot, slot, -1, -1)  # the stream's cells, copied whole
+        hidden = torch.cat(s.hidden) if self._taps and s.hidden else None
+        if hidden is not None:
+            s.hidden = [hidden]
+        self._cached.append(_Cached(slot, list(tokens), hidden))
 
     def leave(self, seq_id: int) -> None:
         if self._pending is not None:
@@ -246,7 +299,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                 self._lib.llama_memory_seq_rm(self._mem, s.slot, s.length, -1)
             raise
         out = self._outputs(np.arange(n), n)
-        self._pending = {sid: span for sid, span in spans.items()}
+        self._pending = {sid: (*span, None if out.hidden is None else out.hidden[span[0]:span[0] + span[1]])
+                         for sid, span in spans.items()}
         return {sid: TargetOutput(out.logits[start:start + k], None if out.hidden is None or not return_hidden
                                   else out.hidden[start:start + k])
                 for sid, (start, k, _) in spans.items()}
@@ -258,9 +312,11 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         if set(paths) != set(self._pending):
             raise ValueError("commit() needs a path for every sequence of the last verify()")
         for s in self.seqs:
-            _, k, tokens = self._pending[s.id]
+            _, k, tokens, hidden = self._pending[s.id]
             nodes = check_path(paths[s.id], list(range(-1, k - 1)))
             s.token_ids += [tokens[i] for i in nodes]
+            if hidden is not None and self._caching():  # the features of its cells, for the cache
+                s.hidden.append(hidden[nodes])
             s.length += len(nodes)
             self._lib.llama_memory_seq_rm(self._mem, s.slot, s.length, -1)
         self._pending = None

@@ -59,13 +59,14 @@ class Job:
 
 class Engine:
     def __init__(self, jetflow: JetFlow, max_queue: int = 16, metrics=None, max_batch: int = 1,
-                 max_prefill_tokens: int = 256, start: bool = True):
+                 max_prefill_tokens: int = 256, prefix_slots: int | None = None, start: bool = True):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.jetflow = jetflow
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_slots = prefix_slots  # llama.cpp batch: prefix cache streams (None: the default)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
@@ -144,7 +145,8 @@ class Engine:
 
         jf = self.jetflow
         return BatchDecoder(jf.target, jf.drafter.head if jf.drafter is not None else None, lookup=jf.lookup,
-                            int8=jf.int8_draft, load_budget=self._load_budget, max_batch=self.max_batch)
+                            int8=jf.int8_draft, load_budget=self._load_budget, max_batch=self.max_batch,
+                            prefix_slots=self.prefix_slots)
 
     def _batch_request(self, prompt, **request):
         from jetflow.decoding.api import prepare_request

@@ -79,14 +79,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(jf: JetFlow | Callable[[], JetFlow], *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
           api_key: str | None = None, model_name: str | None = None, max_body_bytes: int = 1 << 20,
           shutdown_timeout: float = 30.0, log_level: str = "warning", max_batch: int = 32,
-          max_prefill_tokens: int = 256) -> None:
+          max_prefill_tokens: int = 256, prefix_slots: int | None = None) -> None:
     """Serve on http://host:port/v1. ``jf``: a JetFlow, or (better) a function that loads one, so
     that the loading happens in the engine's thread too."""
     sock = listening_socket(host, port)
     port = sock.getsockname()[1]  # the port the OS gave for --port 0
     metrics = Metrics()
     jf, engine = start_engine(jf if callable(jf) else (lambda: jf), max_queue=max_queue, metrics=metrics,
-                              max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+                              max_batch=max_batch, max_prefill_tokens=max_prefill_tokens, prefix_slots=prefix_slots)
     name = model_name or jf.target.name
     app = create_app(engine, name, aliases=(jf.target.name,), api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)

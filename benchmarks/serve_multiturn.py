@@ -1,0 +1,148 @@
+"""Chat clients of the batching server (`jetflow serve --max-batch N`, llama.cpp) with and without its
+prefix cache: how much sooner a conversation's next turn starts when the server kept the turn before.
+
+Two servers on the same GGUF, one per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
+cache at all), both started before the first request. Conversations (MT-Bench: a question, then its
+second turn after the server's own first answer) run in waves of ``--clients`` concurrent clients,
+each client one conversation per wave, streaming, greedy. Every wave runs on each arm, in an order
+that rotates from wave to wave, so drift in the machine's speed falls on both alike.
+
+Prints, per arm and turn: the mean time to first token, the mean time of a turn, the prompt tokens
+in all, the prompt tokens taken from the cache (the server's ``/metrics``), and whether every answer
+is identical across arms.
+
+    python benchmarks/serve_multiturn.py --slots 4,0 --clients 4 --limit 12 \\
+        --out docs/results/llamacpp/serve_multiturn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from jetflow.eval.datasets import load_eval_set
+from jetflow.utils.fs import write_json_atomic
+
+
+def start(args, slots: int) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", "llamacpp", "--threads", str(args.threads),
+           "--max-batch", str(args.max_batch), "--prefix-cache-slots", str(slots), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+async def turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], None
+    import json
+
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+    end = time.perf_counter()
+    return {"ttft_s": (first or end) - t0, "seconds": end - t0, "text": "".join(text),
+            "prompt_tokens": usage["prompt_tokens"] if usage else None}
+
+
+async def conversation(base: str, prompt, max_tokens: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900.0)) as http:
+        answers, turns = [], []
+        for _ in prompt.turns:
+            turns.append(await turn(http, prompt.request(answers), max_tokens))
+            answers.append(turns[-1]["text"])
+        return turns
+
+
+def cached_tokens(base: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("jetflow_prompt_tokens_cached_total"):
+            return float(line.split()[1])
+    return 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--slots", default="4,0", help="--prefix-cache-slots of each arm, comma-separated")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent conversations per wave")
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--limit", type=int, default=12, help="MT-Bench conversations")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    prompts = load_eval_set("mtbench", limit=args.limit)
+    slots = [int(s) for s in args.slots.split(",")]
+    servers = {s: start(args, s) for s in slots}
+    runs = {s: [] for s in slots}  # per arm: one list of turns per conversation
+    try:
+        waves = [prompts[i:i + args.clients] for i in range(0, len(prompts), args.clients)]
+        for w, wave in enumerate(waves):
+            for s in slots[w % len(slots):] + slots[:w % len(slots)]:
+                base = servers[s][1]
+                t = time.perf_counter()
+                runs[s] += asyncio.run(_gather(base, wave, args.max_new_tokens))
+                print(f"wave {w + 1}/{len(waves)} slots={s}: {time.perf_counter() - t:.1f} s", flush=True)
+        cached = {s: cached_tokens(servers[s][1]) for s in slots}
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=120)
+    reference = [[t["text"] for t in conv] for conv in runs[slots[0]]]
+    identical = all([[t["text"] for t in conv] for conv in runs[s]] == reference for s in slots)
+    arms = {}
+    for s in slots:
+        per_turn = {}
+        for k in range(max(len(conv) for conv in runs[s])):
+            turns = [conv[k] for conv in runs[s] if len(conv) > k]
+            per_turn[f"turn {k + 1}"] = {"turns": len(turns),
+                                         "mean_ttft_s": statistics.mean(t["ttft_s"] for t in turns),
+                                         "mean_seconds": statistics.mean(t["seconds"] for t in turns),
+                                         "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in turns)}
+        arms[f"slots={s}"] = {"per_turn": per_turn, "prompt_tokens_cached": cached[s]}
+        print(f"--prefix-cache-slots {s}: cached {cached[s]:.0f} prompt tokens; " + "; ".join(
+            f"{k}: ttft {v['mean_ttft_s']:.3f} s, {v['mean_seconds']:.2f} s per turn, {v['prompt_tokens']} prompt tokens"
+            for k, v in per_turn.items()))
+    print(f"answers identical across arms: {identical}")
+    write_json_atomic(args.out, {"command": sys.argv, "args": vars(args), "identical": identical, "arms": arms,
+                                 "conversations": {f"slots={s}": runs[s] for s in slots}})
+    return 0
+
+
+async def _gather(base, wave, max_tokens):
+    return await asyncio.gather(*[conversation(base, p, max_tokens) for p in wave])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
