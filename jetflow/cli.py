@@ -80,6 +80,14 @@ def _check_drafter_dirs(paths) -> None:
                            f"{path}" if path.exists() else f"drafter checkpoint directory not found: {path}")
 
 
+def _unescape(text: str) -> str:
+    """A command-line string with the escapes \\n, \\t, \\r and \\\\ turned into what they name (a
+    shell passes "\\n" on as backslash and n); other backslashes stay as they are."""
+    import re
+
+    return re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], text)
+
+
 def _load_jetflow(args):
     from jetflow.pipeline import JetFlow
 
@@ -102,20 +110,21 @@ def _new_checkpoint_dir(out, source, overwrite: bool, replaceable, in_place: boo
     holds one is replaced only with --overwrite (and ``source`` itself only where the command
     rewrites in place), so another head is never lost to a mistyped path; even then it may hold
     nothing but ``replaceable`` (what the command writes). Checked before the model loads."""
-    from jetflow.utils.fs import check_replaceable
+    from jetflow.utils.fs import check_replaceable, check_writable_dir
 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise JetFlowError(f"--out {out} is a file, not a directory")
+    check_writable_dir(out.parent, what=f"--out {out}")
     if out.exists() and out.resolve() == Path(source).resolve():
         if in_place:
             return
         raise JetFlowError(f"--out {out} is the --drafter itself; write to another directory")
     if out.is_dir() and any(out.iterdir()):
+        check_replaceable(out, replaceable)  # files of the user's: not even --overwrite replaces them
         if not overwrite:
-            raise JetFlowError(f"--out {out} already holds files (a checkpoint?); --overwrite replaces it, "
+            raise JetFlowError(f"--out {out} already holds a checkpoint; --overwrite replaces it, "
                                "or choose a new directory")
-        check_replaceable(out, replaceable)
 
 
 def _report_file(path) -> None:
@@ -136,15 +145,12 @@ def _writable_dir(text: str, flag: str) -> Path:
     when the first result is to be saved."""
     if not text.strip():
         raise JetFlowError(f"{flag} must name a directory, got an empty string")
+    from jetflow.utils.fs import check_writable_dir
+
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise JetFlowError(f"{flag} {text} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise JetFlowError(f"{flag} {text}: cannot create the directory ({e.strerror or e})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise JetFlowError(f"{flag} {text}: the directory is not writable")
+    check_writable_dir(path, what=f"{flag} {text}")
     return path
 
 
@@ -261,10 +267,12 @@ def cmd_generate(args) -> int:
 
     # Fail on bad input before spending seconds on loading a model.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if any(not s for s in args.stop or ()):
+    args.stop = [_unescape(s) for s in args.stop or ()]
+    if any(not s for s in args.stop):
         raise JetFlowError("--stop strings must be non-empty")
-    if args.prompt == "-":
-        args.prompt = sys.stdin.read()
+    if args.prompt == "-":  # as a text file holds it: a BOM, Windows line ends and the last line end are not prompt
+        text = sys.stdin.read().removeprefix("\ufeff").replace("\r\n", "\n")
+        args.prompt = text[:-1] if text.endswith("\n") else text
     if not args.prompt.strip():
         raise JetFlowError("empty prompt")
     reference = args.check_lossless or args.compare
@@ -555,7 +563,7 @@ def cmd_export_vllm(args) -> int:
 
     _check_drafter_dirs([args.drafter])
     _new_checkpoint_dir(args.out, args.drafter, args.overwrite, EXPORT_FILES)
-    out = export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)
+    out = Path(export_vllm(args.drafter, args.out, dtype=getattr(torch, args.dtype), target=args.target)).absolute()
     print(json.dumps({"out": str(out), "speculative_config": speculative_config(out)}))
     return 0
 
@@ -565,10 +573,13 @@ def cmd_export_gguf(args) -> int:
     from jetflow.models.checkpoint import load_drafter
 
     _check_drafter_dirs([args.drafter])
+    if args.out.exists() and not args.out.is_dir() and not args.overwrite:  # before anything loads
+        raise JetFlowError(f"--out {args.out} already exists; --overwrite replaces it")
     target_gguf = target_gguf_for(args.target or load_drafter(args.drafter).config.target.get("name"))
-    out = export_gguf(args.drafter, args.out, target_gguf, dtype=args.dtype)
+    out = export_gguf(args.drafter, args.out, target_gguf, dtype=args.dtype, overwrite=args.overwrite).absolute()
     print(json.dumps({"out": str(out), "target_gguf": str(target_gguf),
-                      "run": f"llama-speculative-simple -m {target_gguf} -md {out} --spec-type draft-dflash --temp 0"}))
+                      "run": f"llama-speculative-simple -m {target_gguf} -md {out} --spec-type draft-dflash --temp 0 "
+                             "-fa off"}))
     return 0
 
 
@@ -620,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable); \\n, \\t, \\r and \\\\ are escapes")
     g.add_argument("--drafter", default="auto",
                    help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
                         "the drafter shipped for the target if there is one, else none")
@@ -837,7 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculative driver (default: the shipped <target>-dflash head)")
     b.add_argument("--datasets", default="gsm8k",
                    help="comma list of gsm8k, math500, aime, humaneval, mtbench, and .jsonl files of your own prompts "
-                        "(fields prompt / question / turns / messages, optional id and category)")
+                        "(fields prompt / question / problem / turns / messages, optional id, category and chat)")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,jetflow",
                    help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, eagle3, eagle3-lookup, "
@@ -915,6 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "head's config names); its tokenizer is copied into the draft")
     g.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
     g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out file (default: refused)")
     g.set_defaults(func=cmd_export_gguf)
     return parser
 

@@ -315,8 +315,9 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     md = (tmp_path / "b" / "summary.md").read_text()
     assert "## Per category" in md and "| mine | jetflow-lookup | 4 | translate | 2 |" in md
     capsys.readouterr()
-    prompts.write_text(json.dumps({"question": "What is 3+3?"}) + "\n")  # edited file: runs are redone
+    prompts.write_text(json.dumps({"question": "What is 3+3?"}) + "\n")  # edited file: runs are redone, said
     assert main(args) == 0
+    assert "mine__ar.json was made with other prompts or settings; it is measured again" in capsys.readouterr().err
     run = json.loads((tmp_path / "b" / "runs" / "mine__ar.json").read_text())
     assert run["summary"]["prompts"] == 1 and "by_category" not in run["summary"]
     other = tmp_path / "sub" / "mine.jsonl"  # another file of the same name is another set: not replaced silently
@@ -328,6 +329,12 @@ def test_bench_on_a_users_jsonl_file_with_categories(tiny_dir, heads, tmp_path, 
     assert "prompt_file" in err and str(other.resolve()) in err and "--overwrite" in err
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["settings"]["extra"]["draft_weights"] == "int8"  # the CPU default, recorded
+    long = tmp_path / "long.jsonl"  # one prompt past the context, last in its file: refused before any prompt runs
+    long.write_text(json.dumps({"question": "Hi"}) + "\n" + json.dumps({"id": "big", "question": "word " * 3000}) + "\n")
+    assert main([*args[:6], str(long), *args[7:-1], str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "1 prompt(s) do not fit the model's context" in err and f"big ({long.resolve()}):" in err
+    assert not (tmp_path / "c" / "runs").exists() or not any((tmp_path / "c" / "runs").iterdir())
     assert main(args + ["--draft-weights", "float", "--out", str(tmp_path / "f")]) == 0
     assert json.loads((tmp_path / "f" / "summary.json").read_text())["settings"]["extra"]["draft_weights"] == "float"
 

@@ -21,11 +21,20 @@ def test_generate_reads_the_prompt_from_stdin_for_a_dash(tiny_dir, capsys, monke
     args = ["--target", str(tiny_dir), "--json", "--max-new-tokens", "8"]
     assert main(["generate", "hello there\nsecond line", *args]) == 0
     direct = json.loads(capsys.readouterr().out)
-    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nsecond line"))
-    assert main(["generate", "-", *args]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == direct["token_ids"]
+    for text in ("hello there\nsecond line", "\ufeffhello there\r\nsecond line\r\n"):  # as a Windows editor saves it
+        monkeypatch.setattr("sys.stdin", io.StringIO(text))
+        assert main(["generate", "-", *args]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == direct["token_ids"] and out["prompt_tokens"] == direct["prompt_tokens"]
     monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
     assert main(["generate", "-", *args]) == 2 and "empty prompt" in capsys.readouterr().err
+
+
+def test_stop_strings_take_backslash_escapes():
+    from jetflow.cli import _unescape
+
+    assert _unescape("\\n\\n") == "\n\n" and _unescape("a\\tb\\r") == "a\tb\r"
+    assert _unescape("\\\\n") == "\\n" and _unescape("C:\\dir\\x") == "C:\\dir\\x"  # an escaped backslash; others stay
 
 
 def test_serve_prefix_cache_flag_reaches_the_target(tiny_dir, monkeypatch):
@@ -193,7 +202,7 @@ def test_generate_argument_errors_come_before_loading_and_name_the_problem(tiny_
     base = ["generate", "x", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--budget", "auto"]
     for value, message in ((str(kept), f"--auto-state {kept} is a file, not a directory"),
                            ("", "--auto-state must name a directory, got an empty string"),
-                           (str(kept / "sub"), "cannot create the directory")):
+                           (str(kept / "sub"), f"cannot be written: {kept} is a file")):
         assert main(base + ["--auto-state", value]) == 2
         assert message in capsys.readouterr().err
     assert kept.read_text() == "keep me"

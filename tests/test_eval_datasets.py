@@ -61,6 +61,11 @@ def test_jsonl_prompts_all_fields(tmp_path):
     assert ps[3].request() == [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
                                {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
     assert len(load_eval_set(str(path), limit=2)) == 2
+    # a null or empty id takes the default, as a missing one; an empty category is none
+    path.write_text('{"question": "a", "id": null, "category": ""}\n{"question": "b", "id": "", "category": " x "}\n'
+                    '{"question": "c", "id": 7}\n')
+    ps = load_eval_set(str(path))
+    assert [(p.id, p.category) for p in ps] == [("own/1", None), ("own/2", "x"), ("7", None)]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -76,6 +81,9 @@ def test_jsonl_prompts_all_fields(tmp_path):
     ('{"question": "cut \\ud83d emoji"}', "own.jsonl:1: a message is not valid Unicode"),
     ('{"id": "x", "question": "a"}\n{"id": "x", "question": "b"}', "own.jsonl:2: id 'x' is used twice (first on line 1)"),
     ('{"id": "own/2", "question": "a"}\n{"question": "b"}', "own.jsonl:2: id 'own/2' is used twice"),
+    ('{"id": ["x"], "question": "a"}', "own.jsonl:1: 'id' must be a string or a number"),
+    ('{"question": "a", "category": "(none)"}', "category '(none)' is the report's name for prompts without one"),
+    ('{"turns": ["a"], "messages": [{"role": "user", "content": "b"}]}', "has both 'turns' and 'messages'"),
 ])
 def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
     from jetflow.eval.datasets import load_eval_set

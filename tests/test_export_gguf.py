@@ -93,6 +93,23 @@ def exported(tmp_path_factory):
     return out
 
 
+def test_an_existing_file_is_replaced_only_with_overwrite(exported, tmp_path, capsys):
+    before = exported.read_bytes()
+    model = tmp_path / "mymodel.gguf"
+    model.write_bytes(b"a user's model")
+    for out in (model, exported):
+        assert main(["export-gguf", "--drafter", DFLASH_HEAD, "--out", str(out)]) == 2
+        assert f"--out {out} already exists; --overwrite replaces it" in capsys.readouterr().err
+    assert model.read_bytes() == b"a user's model" and exported.read_bytes() == before
+    assert main(["export-gguf", "--drafter", DFLASH_HEAD, "--out", str(exported), "--dtype", "float32",
+                 "--overwrite"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["out"] == str(exported.absolute()) and printed["run"].endswith("--temp 0 -fa off")
+    assert exported.read_bytes() == before  # the same export again
+    assert main(["export-gguf", "--drafter", DFLASH_HEAD, "--out", str(model / "x.gguf")]) == 2
+    assert "cannot be written" in capsys.readouterr().err
+
+
 def test_export_metadata(exported):
     import gguf
 

@@ -92,7 +92,7 @@ def test_export_cli(tiny_dir, tmp_path, capsys):
     # file, is refused untouched even then
     capsys.readouterr()
     assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v")]) == 2
-    assert "already holds files (a checkpoint?); --overwrite replaces it" in capsys.readouterr().err
+    assert "already holds a checkpoint; --overwrite replaces it" in capsys.readouterr().err
     assert main(["export-vllm", "--drafter", str(src), "--out", str(tmp_path / "v"), "--overwrite"]) == 0
     assert main(["export-vllm", "--drafter", str(src), "--out", str(src), "--overwrite"]) == 2  # not over the head
     assert "is the --drafter itself" in capsys.readouterr().err
@@ -101,7 +101,8 @@ def test_export_cli(tiny_dir, tmp_path, capsys):
     for out, message in ((tmp_path / "runs", "holds other files (notes.txt, old-run)"),
                          (tmp_path / "runs" / "notes.txt", "is a file, not a directory")):
         capsys.readouterr()
-        assert main(["export-vllm", "--drafter", str(src), "--out", str(out), "--overwrite"]) == 2
-        assert message in capsys.readouterr().err
+        for flags in ([], ["--overwrite"]):  # said at once: --overwrite would not help
+            assert main(["export-vllm", "--drafter", str(src), "--out", str(out), *flags]) == 2
+            assert message in capsys.readouterr().err
     assert (tmp_path / "runs" / "notes.txt").read_text() == "precious" and (tmp_path / "runs" / "old-run").is_dir()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt", "old-run"]

