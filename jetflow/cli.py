@@ -300,8 +300,10 @@ def cmd_generate(args) -> int:
     else:
         sys.stdout.write("\n")
         extra = f", tau {result.stats['tau']:.2f} over {result.stats['rounds']} rounds" if "tau" in result.stats else ""
-        print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s{extra}, "
-              f"finish: {result.finish_reason}]", file=sys.stderr)
+        cached = f", {result.cached_prompt_tokens} cached" if result.cached_prompt_tokens else ""
+        print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s; prefill "
+              f"{result.prefill_seconds:.2f} s ({result.prompt_tokens} prompt tokens{cached}), then "
+              f"{result.decode_tokens_per_s:.1f} tok/s{extra}, finish: {result.finish_reason}]", file=sys.stderr)
         if args.compare:
             print(_comparison(result, reference, jf.drafter_path), file=sys.stderr)
     if lossless is False:

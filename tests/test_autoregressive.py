@@ -44,7 +44,7 @@ def test_context_end_finishes_with_length(tokenizer):
     target.max_context = 12
     result = jetflow.generate(target, list(range(60, 70)), max_new_tokens=50)
     assert result.finish_reason == "length" or result.token_ids[-1] == tokenizer.eos_token_id
-    assert len(result.token_ids) <= 3
+    assert len(result.token_ids) <= 2  # prompt and answer within the context, as the server counts
 
 
 def test_chat_template_and_raw_prompts(tokenizer):

@@ -13,6 +13,9 @@ def test_generate_json(tiny_dir, capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"text", "new_tokens", "seconds", "tokens_per_s", "finish_reason"} <= out.keys()
     assert 1 <= out["new_tokens"] <= 8
+    if out["new_tokens"] > 1:  # the rate after the prefill, which gave the first token
+        decode_s = out["seconds"] - out["prefill_seconds"]
+        assert out["decode_tokens_per_s"] == pytest.approx((out["new_tokens"] - 1) / decode_s)
 
 
 def test_generate_reads_the_prompt_from_stdin_for_a_dash(tiny_dir, capsys, monkeypatch):
@@ -60,7 +63,7 @@ def test_generate_streams_text(tiny_dir, capsys):
     rc = main(["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "8", "--no-chat",
                "--temperature", "0.8", "--seed", "1", "--top-k", "20", "--top-p", "0.9"])
     captured = capsys.readouterr()
-    assert rc == 0 and "tok/s" in captured.err
+    assert rc == 0 and "tok/s; prefill" in captured.err and "prompt tokens), then" in captured.err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -319,7 +319,7 @@ def test_trees_near_the_end_of_the_context_finish_like_plain_decoding():
     ids = jetflow.decoding.prompt.encode_prompt(small.tokenizer, prompt)
     assert 200 < len(ids) < 240
     plain = jetflow.generate(small, prompt, max_new_tokens=100)
-    assert plain.finish_reason == "length" and len(ids) + len(plain.token_ids) - 1 == small.max_context  # (the last is not fed)
+    assert plain.finish_reason == "length" and len(ids) + len(plain.token_ids) == small.max_context  # as the server counts
     for budget in (16, 64):
         spec = jetflow.JetFlow.from_pretrained(small, "auto", budget=budget).generate(prompt, max_new_tokens=100)
         assert spec.token_ids == plain.token_ids and spec.finish_reason == "length", budget

@@ -63,6 +63,8 @@ def prepare_request(
         stop_token_ids=target.stop_token_ids(),
         stop_strings=[] if stop is None else [stop] if isinstance(stop, str) else list(stop),
     )
+    # prompt and answer within the context, as the server counts them (OpenAI's rule): "length" there
+    output.max_new_tokens = min(output.max_new_tokens, target.max_context - len(prompt_ids))
     return prompt_ids, params, output
 
 

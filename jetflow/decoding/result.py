@@ -23,7 +23,15 @@ class GenerationResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second of the whole request, prefill included."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the prefill (which gave the first): the decoding speed, which a
+        long prompt's prefill would otherwise hide."""
+        decode_s = self.seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode_s if self.new_tokens > 1 and decode_s > 0 else 0.0
 
     @classmethod
     def from_output(cls, output, prompt_tokens: int, seconds: float, prefill_seconds: float, method: str,
@@ -33,5 +41,5 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(new_tokens=self.new_tokens, tokens_per_s=self.tokens_per_s)
+        d.update(new_tokens=self.new_tokens, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return d
