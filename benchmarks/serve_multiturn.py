@@ -1,8 +1,9 @@
 """Chat clients of the batching server (`jetflow serve --max-batch N`, llama.cpp) with and without its
 prefix cache: how much sooner a conversation's next turn starts when the server kept the turn before.
 
-Two servers on the same GGUF, one per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
-cache at all), both started before the first request. Conversations (MT-Bench: a question, then its
+One server on the same GGUF per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
+cache at all; ``--before DIR`` adds a server run from another checkout of JetFlow with its own
+defaults, e.g. ``git worktree add /tmp/before <commit>``), all started before the first request. Conversations (MT-Bench: a question, then its
 second turn after the server's own first answer) run in waves of ``--clients`` concurrent clients,
 each client one conversation per wave, streaming, greedy. Every wave runs on each arm, in an order
 that rotates from wave to wave, so drift in the machine's speed falls on both alike.
@@ -11,7 +12,8 @@ Prints, per arm and turn: the mean time to first token, the mean time of a turn,
 in all, the prompt tokens taken from the cache (the server's ``/metrics``), and whether every answer
 is identical across arms.
 
-    python benchmarks/serve_multiturn.py --slots 4,0 --clients 4 --limit 12 \\
+    git worktree add /tmp/before <commit>   # optional: the server as it was
+    python benchmarks/serve_multiturn.py --slots 4,0 --before /tmp/before --clients 4 --limit 16 \\
         --out docs/results/llamacpp/serve_multiturn.json
 """
 
@@ -31,15 +33,21 @@ from jetflow.eval.datasets import load_eval_set
 from jetflow.utils.fs import write_json_atomic
 
 
-def start(args, slots: int) -> tuple[subprocess.Popen, str]:
+def start(args, arm: str) -> tuple[subprocess.Popen, str]:
+    """A server for ``arm``: "slots=N" (this checkout, --prefix-cache-slots N) or "before" (--before)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", "llamacpp", "--threads", str(args.threads),
-           "--max-batch", str(args.max_batch), "--prefix-cache-slots", str(slots), "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           "--max-batch", str(args.max_batch), "--port", str(port)]
+    env, cwd = dict(os.environ), None
+    if arm == "before":
+        env["PYTHONPATH"], cwd = args.before, args.before
+    else:
+        cmd += ["--prefix-cache-slots", arm.removeprefix("slots=")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     base, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -94,6 +102,7 @@ def cached_tokens(base: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--slots", default="4,0", help="--prefix-cache-slots of each arm, comma-separated")
+    ap.add_argument("--before", default=None, help="one more arm: a server from this checkout of JetFlow")
     ap.add_argument("--clients", type=int, default=4, help="concurrent conversations per wave")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="MT-Bench conversations")
@@ -103,9 +112,10 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prompts = load_eval_set("mtbench", limit=args.limit)
-    slots = [int(s) for s in args.slots.split(",")]
+    slots = [f"slots={int(s)}" for s in args.slots.split(",")] + (["before"] if args.before else [])
     servers = {s: start(args, s) for s in slots}
     runs = {s: [] for s in slots}  # per arm: one list of turns per conversation
+    wave_s = {s: [] for s in slots}  # per arm: each wave's wall time (all its conversations, both turns)
     try:
         waves = [prompts[i:i + args.clients] for i in range(0, len(prompts), args.clients)]
         for w, wave in enumerate(waves):
@@ -113,7 +123,8 @@ def main() -> int:
                 base = servers[s][1]
                 t = time.perf_counter()
                 runs[s] += asyncio.run(_gather(base, wave, args.max_new_tokens))
-                print(f"wave {w + 1}/{len(waves)} slots={s}: {time.perf_counter() - t:.1f} s", flush=True)
+                wave_s[s].append(time.perf_counter() - t)
+                print(f"wave {w + 1}/{len(waves)} {s}: {time.perf_counter() - t:.1f} s", flush=True)
         cached = {s: cached_tokens(servers[s][1]) for s in slots}
     finally:
         for proc, _ in servers.values():
@@ -130,13 +141,14 @@ def main() -> int:
                                          "mean_ttft_s": statistics.mean(t["ttft_s"] for t in turns),
                                          "mean_seconds": statistics.mean(t["seconds"] for t in turns),
                                          "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in turns)}
-        arms[f"slots={s}"] = {"per_turn": per_turn, "prompt_tokens_cached": cached[s]}
-        print(f"--prefix-cache-slots {s}: cached {cached[s]:.0f} prompt tokens; " + "; ".join(
+        arms[s] = {"per_turn": per_turn, "prompt_tokens_cached": cached[s],
+                   "wave_seconds": wave_s[s], "seconds": sum(wave_s[s])}
+        print(f"{s}: {sum(wave_s[s]):.1f} s in all, cached {cached[s]:.0f} prompt tokens; " + "; ".join(
             f"{k}: ttft {v['mean_ttft_s']:.3f} s, {v['mean_seconds']:.2f} s per turn, {v['prompt_tokens']} prompt tokens"
             for k, v in per_turn.items()))
     print(f"answers identical across arms: {identical}")
     write_json_atomic(args.out, {"command": sys.argv, "args": vars(args), "identical": identical, "arms": arms,
-                                 "conversations": {f"slots={s}": runs[s] for s in slots}})
+                                 "conversations": runs})
     return 0
 
 
