@@ -29,6 +29,8 @@ import time
 
 import httpx
 
+from serve_matrix import wait_ready  # (benchmarks/: the script's own directory)
+
 from jetflow.eval.datasets import load_eval_set
 from jetflow.utils.fs import write_json_atomic
 
@@ -48,17 +50,13 @@ def start(args, arm: str) -> tuple[subprocess.Popen, str]:
     else:
         cmd += ["--prefix-cache-slots", arm.removeprefix("slots=")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    base, deadline = f"http://127.0.0.1:{port}", time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not come up")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+    except SystemExit:
+        proc.kill()
+        raise
+    return proc, base
 
 
 async def turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
