@@ -115,7 +115,7 @@ def _new_checkpoint_dir(out, source, overwrite: bool, replaceable, in_place: boo
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise JetFlowError(f"--out {out} is a file, not a directory")
-    check_writable_dir(out.parent, what=f"--out {out}")
+    check_writable_dir(out.parent, what=f"--out {out}", keep=False)
     if out.exists() and out.resolve() == Path(source).resolve():
         if in_place:
             return
@@ -899,7 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "full, so no client's timing tells what others sent (default: on)")
     v.add_argument("--prefix-cache-slots", type=_non_negative_int, default=4,
                    help="llama.cpp with --max-batch > 1: recent prompts and finished conversations kept for the "
-                        "prefix cache, each in a KV stream of the model's context length (default: %(default)s)")
+                        "prefix cache, each in a KV stream of the model's context length; 0: none, and no stream "
+                        "copies or kept features (default: %(default)s)")
     v.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
                    help="prompt tokens prefilled between two decoding steps of a batch (at least one request): "
                         "requests arriving together are admitted over several steps, so running ones keep "

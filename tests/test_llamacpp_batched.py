@@ -202,11 +202,42 @@ def test_prefix_cache_keeps_finished_conversations(llama_target):
     assert [e.token_ids for e in batch._cached] == [second, follow_up]
     third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
     assert [e.token_ids for e in batch._cached] == [follow_up, third]
-    for entry in batch._cached:  # brute force: each stream holds a fresh prefill's cells and features
+    short = converse([rng.randrange(100, 20000) for _ in range(MIN_SHARED - 3)], 1)  # could never be offered:
+    assert len(short) <= MIN_SHARED and [e.token_ids for e in batch._cached] == [follow_up, third]  # evicts none
+    for entry in list(batch._cached):  # brute force: each stream holds a fresh prefill's cells and features
         assert torch.equal(entry.hidden, t.prefill(entry.token_ids).hidden)
         sid, out = batch.join(entry.token_ids + [7])
         assert torch.equal(out.logits, t.prefill(entry.token_ids + [7]).logits[-1:])
         batch.leave(sid)
+
+
+def test_without_a_cache_nothing_is_kept_and_prompts_join_together(llama_target):
+    """No cache (no slots, or the target's cache off): no stream, no features kept per sequence,
+    and chat prompts admitted together share one prefill decode (they are not split to fill a
+    cache); too many sequences for llama.cpp name the flags."""
+    from jetflow.decoding.prompt import encode_prompt
+    from jetflow.errors import JetFlowError
+    from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
+
+    t = llama_target
+    prompts = [encode_prompt(t.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    t.prefix_cache = False
+    try:
+        off = LlamaCppBatchedTarget(t, max_seqs=3, context_per_seq=256)
+    finally:
+        t.prefix_cache = True
+    for batch in (LlamaCppBatchedTarget(t, max_seqs=3, context_per_seq=256, prefix_slots=0), off):
+        decodes = []
+        real = batch._decode
+        batch._decode = lambda what, n: (decodes.append(n), real(what, n))[1]
+        joined = batch.join_many(prompts)
+        assert len(decodes) == 1 and batch.prefix_tokens_reused == 0 and batch._cache_slots == []
+        for (sid, out), p in zip(joined, prompts):
+            assert torch.equal(out.logits, t.prefill(p).logits[-1:])
+            batch.remember(sid)
+        assert batch._cached == [] and all(s.hidden == [] for s in batch.seqs)
+    with pytest.raises(JetFlowError, match="--max-batch 253 \\+ --prefix-cache-slots 4 is 257; lower one"):
+        LlamaCppBatchedTarget(t, max_seqs=253, context_per_seq=256, prefix_slots=4)
 
 
 def test_next_turn_through_the_batch_decoder(llama_target):

@@ -127,8 +127,10 @@ def test_writable_checks_try_for_real(tmp_path):
     if os.path.isdir("/proc/self"):  # permission bits say yes to root there, creating a file says no
         with pytest.raises(JetFlowError, match="/proc/jetflow-x cannot be written"):
             check_writable_dir("/proc/jetflow-x")
-    check_writable_file(tmp_path / "new" / "deeper" / "x.json")  # made on the way
-    assert (tmp_path / "new" / "deeper").is_dir() and list((tmp_path / "new" / "deeper").iterdir()) == []
+    check_writable_file(tmp_path / "new" / "deeper" / "x.json")  # tried by making them, then undone
+    assert not (tmp_path / "new").exists()
+    check_writable_dir(tmp_path / "kept" / "deeper")  # a directory to write in is kept
+    assert (tmp_path / "kept" / "deeper").is_dir() and list((tmp_path / "kept" / "deeper").iterdir()) == []
     assert kept.read_text() == "keep"
 
 

@@ -22,8 +22,12 @@ chat's next turn finds its previous turn there. A joining prompt that shares at 
 leading tokens with one of them (a chat template's system block, a shared document, the turns so
 far) starts from a copy of that stream and prefills only the rest. The copied cells are what its own
 prefill would have written (rows do not depend on the batch), so the output is unchanged. The least
-recently used entry makes room; a copy between streams moves the whole stream (llama.cpp copies
-full stream buffers), a few ms per join or finish.
+recently used entry makes room. Costs: a copy between streams moves the whole stream (llama.cpp
+copies full stream buffers: every cell of a sequence's context, 94 MB for SmolLM2 at 4,096 cells),
+inside the next decode of the whole batch, once per finished request; each slot holds a sequence's
+KV cells; and every running sequence and entry keeps its tokens' features in host memory (float32,
+taps x hidden per token: 11.5 KB for SmolLM2, half its KV again). Whether a batch caches is decided
+when it is made (no slots, no copies, no features without it).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, check_path
-from jetflow.models.llamacpp_target import LlamaCppError, OwnsLlamaContext, _Batch
+from jetflow.models.llamacpp_target import MAX_SEQ, LlamaCppError, OwnsLlamaContext, _Batch
 
 
 MIN_SHARED = 16  # shortest shared prompt prefix worth copying a stream for
@@ -70,6 +74,11 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
         if prefix_slots < 0:
             raise ValueError(f"prefix_slots must be >= 0, got {prefix_slots}")
+        if not target.reuses_prefixes:  # the cache off (or flash attention): no streams for it
+            prefix_slots = 0
+        if max_seqs + prefix_slots > MAX_SEQ:
+            raise JetFlowError(f"llama.cpp holds at most {MAX_SEQ} sequences: --max-batch {max_seqs} + "
+                               f"--prefix-cache-slots {prefix_slots} is {max_seqs + prefix_slots}; lower one of them")
         self.target, self._lib, self.max_seqs = target, target._lib, int(max_seqs)
         per_seq = int(context_per_seq or target.max_context)
         per_seq = -(-per_seq // 256) * 256  # llama.cpp rounds each sequence's share up to 256 cells
@@ -88,7 +97,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self._pending: dict[int, int] | None = None  # sequence id -> nodes of its verified chain
         self._cache_slots = list(range(self.max_seqs, streams))
         self._cached: list[_Cached] = []  # least recently used first
-        self._taps = bool(target.tapped_layers)
+        self._features = bool(target.tapped_layers) and bool(self._cache_slots)  # kept per sequence, for the cache
         self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to the cache
 
     # ------------------------------------------------------------------ sequences
@@ -127,7 +136,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                 raise InvalidRequestError(f"token ids must be in [0, {self.target.vocab_size})")
         offers = [self._cached_prefix(p) for p in prompts]
         shared = [m for _, m in offers]
-        if len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
+        if self._caching() and len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
                                                          for p in prompts[1:]):
             # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
             head = self.join_many(prompts[:1])
@@ -183,7 +192,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         joined = []
         for i, p in enumerate(prompts):
             features = torch.cat(hidden[i]) if hidden[i] else None
-            s = _Seq(self._next_id, first + i, int(p.size), p.tolist(), [features] if features is not None else [])
+            s = _Seq(self._next_id, first + i, int(p.size), p.tolist(), [features] if self._features else [])
             self._next_id += 1
             self.seqs.append(s)
             joined.append((s.id, TargetOutput(logits[i], features)))
@@ -192,7 +201,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         return joined
 
     def _caching(self) -> bool:
-        return bool(self._cache_slots) and self.target.reuses_prefixes  # (off when the target's own cache is)
+        return bool(self._cache_slots) and self.target.reuses_prefixes  # (off whenever the target's own cache is)
 
     def _cached_prefix(self, prompt: np.ndarray) -> tuple[_Cached | None, int]:
         """The cache entry sharing the longest prefix with ``prompt`` and how many leading tokens
@@ -213,9 +222,9 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self._remember(self._seq(seq_id))
 
     def _remember(self, s: _Seq) -> None:
-        if not self._caching():
-            return
         tokens = s.token_ids
+        if not self._caching() or len(tokens) <= MIN_SHARED:  # (too short ever to be offered: it would only evict)
+            return
         for entry in self._cached:
             if entry.token_ids[:len(tokens)] == tokens:  # already held: only its use is new
                 self._cached.remove(entry)
@@ -229,7 +238,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             self._cached.remove(victim)
         slot = victim.slot if victim is not None else free[0]
         self._lib.llama_memory_seq_cp(self._mem, s.slot, slot, -1, -1)  # the stream's cells, copied whole
-        hidden = torch.cat(s.hidden) if self._taps and s.hidden else None
+        hidden = torch.cat(s.hidden) if self._features else None
         if hidden is not None:
             s.hidden = [hidden]
         self._cached.append(_Cached(slot, list(tokens), hidden))
@@ -315,7 +324,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             _, k, tokens, hidden = self._pending[s.id]
             nodes = check_path(paths[s.id], list(range(-1, k - 1)))
             s.token_ids += [tokens[i] for i in nodes]
-            if hidden is not None and self._caching():  # the features of its cells, for the cache
+            if self._features:  # the features of its cells, for the cache
                 s.hidden.append(hidden[nodes])
             s.length += len(nodes)
             self._lib.llama_memory_seq_rm(self._mem, s.slot, s.length, -1)

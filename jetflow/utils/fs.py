@@ -120,23 +120,29 @@ def check_writable_file(path: Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise JetFlowError(f"{path} is a directory, not a file")
-    check_writable_dir(path.parent, what=str(path))
+    check_writable_dir(path.parent, what=str(path), keep=False)
 
 
-def check_writable_dir(directory: Path, what: str | None = None) -> None:
+def check_writable_dir(directory: Path, what: str | None = None, keep: bool = True) -> None:
     """JetFlowError naming ``what`` (default: the directory) unless ``directory`` exists or can be
     made and a file can be created in it. It is tried for real (made, and a file created and
-    removed): permission bits do not tell, e.g. for root under /proc or on a read-only mount."""
+    removed): permission bits do not tell, e.g. for root under /proc or on a read-only mount. The
+    directories it made stay unless ``keep`` is False (a check before a job that may fail first)."""
     directory, what = Path(directory), what or str(directory)
-    blocker = next((p for p in [directory, *directory.absolute().parents] if p.exists()), None)
+    chain = [directory.absolute(), *directory.absolute().parents]
+    blocker = next((p for p in chain if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise JetFlowError(f"{what} cannot be written: {blocker} is a file")
+    made = chain[chain.index(blocker) - 1] if blocker is not None and blocker != chain[0] else None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
         raise JetFlowError(f"{what} cannot be written: {e.strerror or e} ({e.filename or directory})") from None
+    finally:
+        if made is not None and not keep:
+            shutil.rmtree(made, ignore_errors=True)  # only the empty directories made here
 
 
 def _umask_modes(root: Path) -> None:
