@@ -57,6 +57,9 @@ def test_serve_prefix_cache_slots_reach_the_batch(tiny_dir, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         main(["serve", "--target", str(tiny_dir), "--prefix-cache-slots", "-1"])
     assert "--prefix-cache-slots" in capsys.readouterr().err
+    seen.clear()  # past llama.cpp's 256 sequences: refused before anything loads
+    assert main(["serve", "--target", "no/such-model", "--max-batch", "254", "--prefix-cache-slots", "4"]) == 2
+    assert "--max-batch 254 + --prefix-cache-slots 4 is 258; lower one" in capsys.readouterr().err and not seen
 
 
 def test_generate_streams_text(tiny_dir, capsys):

@@ -259,6 +259,7 @@ def test_next_turn_through_the_batch_decoder(llama_target):
             decoder.step()
         alone = jetflow.generate(t, turns, max_new_tokens=32)
         assert r.result.token_ids == alone.token_ids
+        assert r.result.cached_prompt_tokens == decoder.batch.prefix_tokens_reused - reused
         if follow_up is None:  # the second turn's prompt started with the first turn's prompt and answer
             assert decoder.batch.prefix_tokens_reused - reused > len(first_prompt) + 16
             break
@@ -283,9 +284,13 @@ def test_batched_llamacpp_server_equals_solo(tmp_path):
                               "--threads", "2")
     asks = [(QUESTIONS[0], 30), (QUESTIONS[1], 48), (QUESTIONS[2], 12), (QUESTIONS[3], 24), ("Say hi.", 8)]
 
+    usages = []
+
     async def ask(c, text, n):
         body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0}
-        return (await c.post(base + "/v1/chat/completions", json=body)).json()["choices"][0]["message"]["content"]
+        answer = (await c.post(base + "/v1/chat/completions", json=body)).json()
+        usages.append(answer["usage"])
+        return answer["choices"][0]["message"]["content"]
 
     async def main():
         async with httpx.AsyncClient(timeout=300) as c:
@@ -305,3 +310,4 @@ def test_batched_llamacpp_server_equals_solo(tmp_path):
     cached = next(float(line.split()[1]) for line in metrics.splitlines()
                   if line.startswith("jetflow_prompt_tokens_cached_total"))
     assert cached >= 20 * (len(asks) - 1)  # every prompt after the first reused the system block
+    assert cached == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)  # each answer says its own

@@ -43,6 +43,7 @@ class BatchRequest:
     _generator: object = None
     _t0: float = 0.0
     _prefill_s: float = 0.0
+    _cached: int = 0  # prompt tokens taken from the backend's prefix cache (llama.cpp)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +104,8 @@ class BatchDecoder:
         prefill_s = time.perf_counter() - t0
         for k, (request, (row_id, out)) in enumerate(zip(requests, joined)):
             request.id = row_id
+            if hasattr(self.batch, "cached_prompt_tokens"):
+                request._cached = self.batch.cached_prompt_tokens(row_id)
             try:
                 if self.head is not None and request.budget != 0:
                     request._drafter = self._new_drafter(_RowView(self.batch, request.id))
@@ -228,5 +231,6 @@ class BatchDecoder:
         self.batch.leave(r.id)
         r.result = GenerationResult.from_output(
             r.output, len(r.prompt_ids), time.perf_counter() - r._t0, r._prefill_s, method="jetflow-batch",
-            stats={"budget": "auto" if r.budget is None else r.budget, "width": r.width, **r.stats.to_dict()})
+            stats={"budget": "auto" if r.budget is None else r.budget, "width": r.width, **r.stats.to_dict()},
+            cached_prompt_tokens=r._cached)
         return r

@@ -54,6 +54,7 @@ class _Seq:
     length: int
     token_ids: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)  # features of its cells, kept for the cache
+    cached: int = 0  # prompt tokens its join took from the cache
 
 
 @dataclass
@@ -112,6 +113,10 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
 
     def token_ids(self, seq_id: int) -> list[int]:
         return self._seq(seq_id).token_ids
+
+    def cached_prompt_tokens(self, seq_id: int) -> int:
+        """Prompt tokens of the sequence that its join took from the prefix cache."""
+        return self._seq(seq_id).cached
 
     def join(self, prompt_ids: Sequence[int]) -> tuple[int, TargetOutput]:
         """Prefill a new sequence and add it to the batch; returns its id and the prefill output."""
@@ -192,7 +197,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         joined = []
         for i, p in enumerate(prompts):
             features = torch.cat(hidden[i]) if hidden[i] else None
-            s = _Seq(self._next_id, first + i, int(p.size), p.tolist(), [features] if self._features else [])
+            s = _Seq(self._next_id, first + i, int(p.size), p.tolist(), [features] if self._features else [], shared[i])
             self._next_id += 1
             self.seqs.append(s)
             joined.append((s.id, TargetOutput(logits[i], features)))

@@ -148,10 +148,12 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
 
     def finish(result: GenerationResult) -> None:
         metrics.generation(result.prompt_tokens, result.new_tokens, result.seconds, result.stats.get("tau"))
+        metrics.cached_prompt(result.cached_prompt_tokens)  # both engines: counted as prompt_tokens is, when done
 
     def usage(result: GenerationResult) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-                "total_tokens": result.prompt_tokens + result.new_tokens}
+                "total_tokens": result.prompt_tokens + result.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}}  # (OpenAI's field)
 
     async def run_to_end(job, request: Request) -> GenerationResult:
         """The job's result; ClientGone (the job cancelled) when the client disconnects first: the

@@ -181,11 +181,8 @@ class Engine:
                 self.job_seconds += (time.perf_counter() - t0 - self.job_seconds) * 0.2
 
         def admit(batch: list) -> None:
-            cached = getattr(decoder.batch, "prefix_tokens_reused", 0)
             try:
                 decoder.add_many([req for req, _ in batch])
-                if self.metrics is not None:
-                    self.metrics.cached_prompt(getattr(decoder.batch, "prefix_tokens_reused", 0) - cached)
             except Exception as e:
                 if len(batch) > 1:  # find the bad request: the others still run
                     for one in batch:
