@@ -41,5 +41,6 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(new_tokens=self.new_tokens, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+        d.update(new_tokens=self.new_tokens, tokens_per_s=self.tokens_per_s,
+                 decode_tokens_per_s=self.decode_tokens_per_s)
         return d

@@ -83,7 +83,8 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
                                temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
                     for _ in range(settings.repeats)]
         except InvalidRequestError as e:  # say which prompt: a file may hold thousands
-            raise JetFlowError(f"{prompt.id}{f' ({prompt.source})' if prompt.source else ''}, turn {turn + 1}: {e}") from None
+            where = f"{prompt.id} ({prompt.source})" if prompt.source else prompt.id
+            raise JetFlowError(f"{where}, turn {turn + 1}: {e}") from None
         result = runs[0]
         stats = result.stats
         records.append({

@@ -141,8 +141,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                 raise InvalidRequestError(f"token ids must be in [0, {self.target.vocab_size})")
         offers = [self._cached_prefix(p) for p in prompts]
         shared = [m for _, m in offers]
-        if self._caching() and len(prompts) > 1 and max(shared) == 0 and any(_common_prefix(prompts[0], p) >= MIN_SHARED
-                                                         for p in prompts[1:]):
+        if self._caching() and len(prompts) > 1 and max(shared) == 0 and any(
+                _common_prefix(prompts[0], p) >= MIN_SHARED for p in prompts[1:]):
             # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
             head = self.join_many(prompts[:1])
             try:

@@ -32,7 +32,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         yield tmp
-        _umask_modes(tmp)  # mkdtemp (and mkstemp inside) make them owner-only: a server of another user could not read them
+        _umask_modes(tmp)  # mkdtemp (and mkstemp inside) make them owner-only: another user's server could not read it
         try:
             os.rename(tmp, final)
         except OSError:
