@@ -3,10 +3,11 @@ prefix cache: how much sooner a conversation's next turn starts when the server 
 
 One server on the same GGUF per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
 cache at all; ``--before DIR`` adds a server run from another checkout of JetFlow with its own
-defaults, e.g. ``git worktree add /tmp/before <commit>``), all started before the first request. Conversations (MT-Bench: a question, then its
-second turn after the server's own first answer) run in waves of ``--clients`` concurrent clients,
-each client one conversation per wave, streaming, greedy. Every wave runs on each arm, in an order
-that rotates from wave to wave, so drift in the machine's speed falls on both alike.
+defaults, e.g. ``git worktree add /tmp/before <commit>``), all started before the first request.
+Conversations (MT-Bench: a question, then its second turn after the server's own first answer;
+``--turns 1``: the question alone) run in waves of ``--clients`` concurrent clients, each client one
+conversation per wave, streaming, greedy. Every wave runs on each arm, in an order that rotates
+from wave to wave, so drift in the machine's speed falls on all alike.
 
 Prints, per arm and turn: the mean time to first token, the mean time of a turn, the prompt tokens
 in all, the prompt tokens taken from the cache (the server's ``/metrics``), and whether every answer
@@ -15,6 +16,8 @@ is identical across arms.
     git worktree add /tmp/before <commit>   # optional: the server as it was
     python benchmarks/serve_multiturn.py --slots 4,0 --before /tmp/before --clients 4 --limit 16 \\
         --out docs/results/llamacpp/serve_multiturn.json
+    python benchmarks/serve_multiturn.py --slots 4,0 --before /tmp/before --turns 1 --clients 8 --limit 32 \\
+        --out docs/results/llamacpp/serve_oneshot.json      # what the cache costs where no turn follows
 """
 
 from __future__ import annotations
@@ -81,10 +84,10 @@ async def turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -
             "prompt_tokens": usage["prompt_tokens"] if usage else None}
 
 
-async def conversation(base: str, prompt, max_tokens: int) -> list[dict]:
+async def conversation(base: str, prompt, max_tokens: int, max_turns: int | None) -> list[dict]:
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900.0)) as http:
         answers, turns = [], []
-        for _ in prompt.turns:
+        for _ in prompt.turns[:max_turns]:
             turns.append(await turn(http, prompt.request(answers), max_tokens))
             answers.append(turns[-1]["text"])
         return turns
@@ -104,6 +107,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4, help="concurrent conversations per wave")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="MT-Bench conversations")
+    ap.add_argument("--turns", type=int, default=None,
+                    help="turns per conversation (default: all; 1: one-shot requests, which only pay for the cache)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -120,7 +125,7 @@ def main() -> int:
             for s in slots[w % len(slots):] + slots[:w % len(slots)]:
                 base = servers[s][1]
                 t = time.perf_counter()
-                runs[s] += asyncio.run(_gather(base, wave, args.max_new_tokens))
+                runs[s] += asyncio.run(_gather(base, wave, args.max_new_tokens, args.turns))
                 wave_s[s].append(time.perf_counter() - t)
                 print(f"wave {w + 1}/{len(waves)} {s}: {time.perf_counter() - t:.1f} s", flush=True)
         cached = {s: cached_tokens(servers[s][1]) for s in slots}
@@ -150,8 +155,8 @@ def main() -> int:
     return 0
 
 
-async def _gather(base, wave, max_tokens):
-    return await asyncio.gather(*[conversation(base, p, max_tokens) for p in wave])
+async def _gather(base, wave, max_tokens, max_turns):
+    return await asyncio.gather(*[conversation(base, p, max_tokens, max_turns) for p in wave])
 
 
 if __name__ == "__main__":
