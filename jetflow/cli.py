@@ -543,13 +543,11 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from jetflow.models.llamacpp_target import MAX_SEQ
+    from jetflow.models.llamacpp_batched import check_sequence_count
     from jetflow.serve.server import serve
 
-    slots = args.prefix_cache_slots if args.prefix_cache == "on" else 0
-    if args.backend != "torch" and args.max_batch > 1 and args.max_batch + slots > MAX_SEQ:  # before loading
-        raise JetFlowError(f"llama.cpp holds at most {MAX_SEQ} sequences: --max-batch {args.max_batch} + "
-                           f"--prefix-cache-slots {slots} is {args.max_batch + slots}; lower one of them")
+    if args.backend != "torch" and args.max_batch > 1:  # before loading
+        check_sequence_count(args.max_batch, args.prefix_cache_slots if args.prefix_cache == "on" else 0)
 
     def load():  # in the engine's thread: see jetflow/serve/server.py
         jf = _load_jetflow(args)

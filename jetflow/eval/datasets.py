@@ -35,6 +35,11 @@ class EvalPrompt:
     category: str | None = None
     source: str | None = None  # the prompt file a user's set came from (None: a built-in set)
 
+    @property
+    def where(self) -> str:
+        """The prompt's id, and the file it came from (for messages about it)."""
+        return f"{self.id} ({self.source})" if self.source else self.id
+
     def request(self, answers: list[str] = ()) -> list[dict[str, str]] | str:
         """The prompt of turn ``len(answers)``: chat messages with the earlier turns and answers,
         or the raw text for a completion-style prompt."""

@@ -83,8 +83,7 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
                                temperature=settings.temperature, seed=settings.seed, chat=prompt.chat)
                     for _ in range(settings.repeats)]
         except InvalidRequestError as e:  # say which prompt: a file may hold thousands
-            where = f"{prompt.id} ({prompt.source})" if prompt.source else prompt.id
-            raise JetFlowError(f"{where}, turn {turn + 1}: {e}") from None
+            raise JetFlowError(f"{prompt.where}, turn {turn + 1}: {e}") from None
         result = runs[0]
         stats = result.stats
         records.append({
@@ -351,7 +350,7 @@ def check_prompts_fit(target, datasets: dict[str, list[EvalPrompt]]) -> None:
     when their dataset ends. (A later turn grows with the answers; one that overflows names itself.)"""
     from jetflow.decoding.prompt import encode_prompt
 
-    long = [f"{p.id}{f' ({p.source})' if p.source else ''}: {n} tokens"
+    long = [f"{p.where}: {n} tokens"
             for prompts in datasets.values() for p in prompts
             if (n := len(encode_prompt(target.tokenizer, p.request([]), p.chat))) >= target.max_context]
     if long:

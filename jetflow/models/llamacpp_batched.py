@@ -47,6 +47,14 @@ MIN_SHARED = 16  # shortest shared prompt prefix worth copying a stream for
 DEFAULT_PREFIX_SLOTS = 4  # cache streams: each costs a sequence's KV cells
 
 
+def check_sequence_count(max_seqs: int, prefix_slots: int) -> None:
+    """JetFlowError, naming both flags, when the batch and its cache need more sequences than
+    llama.cpp holds (its own error names neither)."""
+    if max_seqs + prefix_slots > MAX_SEQ:
+        raise JetFlowError(f"llama.cpp holds at most {MAX_SEQ} sequences: --max-batch {max_seqs} + "
+                           f"--prefix-cache-slots {prefix_slots} is {max_seqs + prefix_slots}; lower one of them")
+
+
 @dataclass
 class _Seq:
     id: int
@@ -77,9 +85,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             raise ValueError(f"prefix_slots must be >= 0, got {prefix_slots}")
         if not target.reuses_prefixes:  # the cache off (or flash attention): no streams for it
             prefix_slots = 0
-        if max_seqs + prefix_slots > MAX_SEQ:
-            raise JetFlowError(f"llama.cpp holds at most {MAX_SEQ} sequences: --max-batch {max_seqs} + "
-                               f"--prefix-cache-slots {prefix_slots} is {max_seqs + prefix_slots}; lower one of them")
+        check_sequence_count(max_seqs, prefix_slots)
         self.target, self._lib, self.max_seqs = target, target._lib, int(max_seqs)
         per_seq = int(context_per_seq or target.max_context)
         per_seq = -(-per_seq // 256) * 256  # llama.cpp rounds each sequence's share up to 256 cells
