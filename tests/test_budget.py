@@ -592,3 +592,25 @@ def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh(monkeypatch
             budget.observe(tree, path, other_ms=0.3, verify_ms=ms)
         history.token_ids = history.token_ids + [root] + [tree.tokens[n] for n in path[1:]]  # what it took
     assert offers > 20  # chains both paid and did not
+
+
+def test_a_llamacpp_cost_curve_is_measured_again_on_another_build(tiny_dir, monkeypatch, tmp_path):
+    """Another llama.cpp CPU library (a rebuild with or without the two-column kernels) prices
+    verifies differently: the cached curve is keyed by the library's digest."""
+    import jetflow.models.llamacpp_target as llamacpp_target
+
+    runs = []
+    monkeypatch.setattr(costs_mod, "measure_costs",
+                        lambda *a, **k: runs.append(1) or {"c1_ms": 10.0, "c1_after_ms": 10.0, "verify_ms": {1: 18.0},
+                                                           "verify_ratio": {1: 1.8}, "draft_ms": {1: 5.0}})
+    target = TargetModel.load(str(tiny_dir))
+    monkeypatch.setattr(target, "backend", "llamacpp", raising=False)
+    drafter = make_drafter(DraftHead(DraftHeadConfig.for_target(target, block_size=6)), target)
+    build = {"cpu_library": "aaaa", "quant_dot_columns": 1}
+    monkeypatch.setattr(llamacpp_target, "llama_build", lambda: build)
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    assert len(runs) == 1
+    build = {"cpu_library": "bbbb", "quant_dot_columns": 2}
+    costs_mod.cached_costs(target, drafter, tmp_path)
+    assert len(runs) == 2 and len(list(tmp_path.glob("costs-*.json"))) == 2

@@ -124,6 +124,40 @@ def test_verify_nodes_match_their_paths(llama_target, prompt_ids, seed):
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 8, 9, 16, 17])
+def test_a_batched_decode_equals_one_token_decodes_bit_for_bit(llama_target, prompt_ids, count):
+    """Tokens decoded in one call give exactly the logits and features of the same tokens decoded one
+    at a time: what lossless verification on llama.cpp rests on. Even and odd counts, because the
+    two-column kernels of third_party/llama-cpp-python pair all but an odd count's last token."""
+    rng = random.Random(count)
+    tokens = [rng.randrange(100, 40000) for _ in range(count)]
+    llama_target.prefill(prompt_ids)
+    singles = [llama_target.extend([t], return_hidden=True) for t in tokens]
+    llama_target.prefill(prompt_ids)
+    batched = llama_target.extend(tokens, return_hidden=True)
+    assert torch.equal(batched.logits, torch.cat([o.logits for o in singles]))
+    assert torch.equal(batched.hidden, torch.cat([o.hidden for o in singles]))
+
+
+@pytest.mark.real
+def test_the_build_is_named_and_has_the_two_column_kernels(llama_target):
+    """`make setup` builds llama-cpp-python with JetFlow's patch: on an AVX2 x86 CPU its quantized dot
+    products take two tokens per call. Costs are cached per CPU library (another build, other costs)."""
+    import platform
+
+    from jetflow.eval.machine import cpu_flags, machine
+    from jetflow.models.llamacpp_target import llama_build
+
+    build = llama_build()
+    assert len(build["cpu_library"]) == 16 and int(build["cpu_library"], 16) >= 0
+    if platform.machine() in ("x86_64", "AMD64") and "avx2" in cpu_flags():
+        assert build["quant_dot_columns"] == 2, "llama-cpp-python was built without third_party/llama-cpp-python's patch"
+    else:
+        assert build["quant_dot_columns"] in (1, 2)
+    assert machine()["llama_cpp"] == build
+
+
+@pytest.mark.real
 def test_wrong_mask_is_noticed(llama_target, prompt_ids):
     """Negative control: verifying the same tokens as a chain (each node then also sees its
     non-ancestors) moves a tree node's logits far beyond the tolerance."""

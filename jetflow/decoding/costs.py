@@ -183,6 +183,9 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
         key["linear_form"] = target.linear_form
     if target.backend == "llamacpp":  # c1 timed with features on, as the loop's plain rounds run
         key["c1_features"] = True
+        from jetflow.models.llamacpp_target import llama_build
+
+        key["cpu_library"] = llama_build()["cpu_library"]  # another build (its kernels), other costs
         if getattr(target, "flash_attn", False):  # another attention kernel, other costs
             key["flash_attn"] = True
     if getattr(drafter, "lookup", False):  # only when set, so costs measured before lookup existed still apply

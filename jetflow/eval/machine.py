@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -38,7 +39,12 @@ def cpu_flags() -> list[str]:
 
 def machine() -> dict:
     cuda = torch.cuda.is_available()
-    return {"platform": platform.platform(), "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "cuda": torch.cuda.get_device_name() if cuda else None}
+    out = {"platform": platform.platform(), "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+           "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "cuda": torch.cuda.get_device_name() if cuda else None}
+    if "llama_cpp" in sys.modules:  # a llama.cpp measurement: which build (kernels) it ran on
+        from jetflow.models.llamacpp_target import llama_build
+
+        out["llama_cpp"] = llama_build()
+    return out

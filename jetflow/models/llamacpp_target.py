@@ -60,6 +60,41 @@ def check_no_amx(system_info: str) -> None:
             "with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16), or set JETFLOW_ALLOW_LLAMA_AMX=1 to try it anyway")
 
 
+def _loaded_cpu_library() -> Path | None:
+    """The ggml CPU library this process loaded with llama.cpp (from /proc/self/maps, so a
+    ``LLAMA_CPP_LIB_PATH`` override counts), else the one beside the binding's libllama."""
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            path = parts[5] if len(parts) == 6 else ""
+            if "/libggml-cpu" in path and os.path.isfile(path):
+                return Path(path)
+    except OSError:
+        pass
+    from llama_cpp import llama_cpp as lib
+
+    found = sorted(Path(lib._lib._name).parent.glob("libggml-cpu*"))
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def llama_build() -> dict:
+    """Which llama.cpp CPU build runs here: ``cpu_library`` names the file's bytes (costs measured on
+    one build do not price another), ``quant_dot_columns`` is 2 on a build with JetFlow's two-column
+    kernels (third_party/llama-cpp-python; cheaper multi-token verifies), 1 on a stock build."""
+    _import_binding()
+    path = _loaded_cpu_library()
+    if path is None:
+        return {"cpu_library": None, "quant_dot_columns": None}
+    columns = getattr(ctypes.CDLL(str(path)), "jetflow_quant_dot_columns", None)
+    if columns is not None:
+        columns.restype, columns.argtypes = ctypes.c_int, []
+    import hashlib
+
+    return {"cpu_library": hashlib.sha1(path.read_bytes()).hexdigest()[:16],
+            "quant_dot_columns": int(columns()) if columns is not None else 1}
+
+
 # C++-linkage functions of src/llama-ext.h: bound by their (Itanium) mangled names.
 _EXT_SYMBOLS = {
     "set_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb", None,
