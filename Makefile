@@ -42,11 +42,12 @@ $(STAMP): pyproject.toml Makefile $(LLAMA_PATCH)
 llama-wheel:
 	@if ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1; then echo "llama-cpp-python wheel: $(LLAMA_WHEELS)"; \
 	else echo "building llama-cpp-python $(LLAMA_CPP) with $(LLAMA_PATCH) (5-8 minutes on 2 cores, once)"; \
-	src=$$(mktemp -d) && $(BIN)/pip download -q --no-deps --no-binary :all: -d $$src llama-cpp-python==$(LLAMA_CPP) && \
-	tar -xzf $$src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $$src && \
-	patch -s -p1 -d $$src/llama_cpp_python-$(LLAMA_CPP) < $(LLAMA_PATCH) && mkdir -p $(LLAMA_WHEELS) && \
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
-		$$src/llama_cpp_python-$(LLAMA_CPP) && rm -rf $$src; fi
+	src=$$(mktemp -d) && patch=$$(realpath $(LLAMA_PATCH)) && \
+	{ $(BIN)/pip download -q --no-deps --no-binary llama-cpp-python -d $$src llama-cpp-python==$(LLAMA_CPP) && \
+	  tar -xzf $$src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $$src && \
+	  (cd $$src/llama_cpp_python-$(LLAMA_CPP) && git apply -p1 $$patch) && mkdir -p $(LLAMA_WHEELS) && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
+		$$src/llama_cpp_python-$(LLAMA_CPP); rc=$$?; rm -rf $$src; exit $$rc; }; fi
 
 demo: $(STAMP)
 	$(BIN)/jetflow generate "$(DEMO_PROMPT)" --max-new-tokens 128 --compare

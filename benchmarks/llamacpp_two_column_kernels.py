@@ -2,7 +2,7 @@
 change in a verify's cost, and that they change no number.
 
     python benchmarks/llamacpp_two_column_kernels.py \
-        --stock ~/.cache/jetflow/wheels/llama-cpp-python-0.3.36-nollamafile --rounds 4 \
+        --stock ~/.cache/jetflow/wheels/llama-cpp-python-0.3.36-nollamafile --rounds 6 \
         --out docs/results/llamacpp/two_column_kernels.json
 
 The installed build is timed against ``--stock`` (a llama-cpp-python wheel, a directory holding one,

@@ -3,7 +3,9 @@ prefix cache: how much sooner a conversation's next turn starts when the server 
 
 One server on the same GGUF per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
 cache at all; ``--before DIR`` adds a server run from another checkout of JetFlow with its own
-defaults, e.g. ``git worktree add /tmp/before <commit>``), all started before the first request.
+defaults, e.g. ``git worktree add /tmp/before <commit>``; ``--stock-lib DIR`` one of this checkout on
+another llama.cpp build, its ``llama_cpp/lib`` directory loaded through ``LLAMA_CPP_LIB_PATH``, with
+the first ``--slots`` value), all started before the first request.
 Conversations (MT-Bench: a question, then its second turn after the server's own first answer;
 ``--turns 1``: the question alone) run in waves of ``--clients`` concurrent clients, each client one
 conversation per wave, streaming, greedy. Every wave runs on each arm, in an order that rotates
@@ -18,6 +20,8 @@ is identical across arms.
         --out docs/results/llamacpp/serve_multiturn.json
     python benchmarks/serve_multiturn.py --slots 4,0 --before /tmp/before --turns 1 --clients 8 --limit 32 \\
         --out docs/results/llamacpp/serve_oneshot.json      # what the cache costs where no turn follows
+    python benchmarks/serve_multiturn.py --slots 4 --stock-lib <a stock build's llama_cpp/lib> --clients 4 \
+        --limit 16 --out docs/results/llamacpp/serve_multiturn_two_column.json   # the two-column kernels
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from jetflow.utils.fs import write_json_atomic
 
 
 def start(args, arm: str) -> tuple[subprocess.Popen, str]:
-    """A server for ``arm``: "slots=N" (this checkout, --prefix-cache-slots N) or "before" (--before)."""
+    """A server for ``arm``: "slots=N" (this checkout, --prefix-cache-slots N), "before" (--before) or
+    "stock" (--stock-lib)."""
     import socket
 
     with socket.socket() as s:
@@ -50,6 +55,9 @@ def start(args, arm: str) -> tuple[subprocess.Popen, str]:
     env, cwd = dict(os.environ), None
     if arm == "before":
         env["PYTHONPATH"], cwd = args.before, args.before
+    elif arm == "stock":
+        env["LLAMA_CPP_LIB_PATH"] = args.stock_lib
+        cmd += ["--prefix-cache-slots", args.slots.split(",")[0]]
     else:
         cmd += ["--prefix-cache-slots", arm.removeprefix("slots=")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
@@ -104,6 +112,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--slots", default="4,0", help="--prefix-cache-slots of each arm, comma-separated")
     ap.add_argument("--before", default=None, help="one more arm: a server from this checkout of JetFlow")
+    ap.add_argument("--stock-lib", default=None,
+                    help="one more arm: this checkout's server on the llama.cpp build in this llama_cpp/lib directory")
     ap.add_argument("--clients", type=int, default=4, help="concurrent conversations per wave")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="MT-Bench conversations")
@@ -115,7 +125,8 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prompts = load_eval_set("mtbench", limit=args.limit)
-    slots = [f"slots={int(s)}" for s in args.slots.split(",")] + (["before"] if args.before else [])
+    slots = ([f"slots={int(s)}" for s in args.slots.split(",")] + (["before"] if args.before else [])
+             + (["stock"] if args.stock_lib else []))
     servers = {s: start(args, s) for s in slots}
     runs = {s: [] for s in slots}  # per arm: one list of turns per conversation
     wave_s = {s: [] for s in slots}  # per arm: each wave's wall time (all its conversations, both turns)

@@ -62,13 +62,14 @@ def check_no_amx(system_info: str) -> None:
 
 def _loaded_cpu_library() -> Path | None:
     """The ggml CPU library this process loaded with llama.cpp (from /proc/self/maps, so a
-    ``LLAMA_CPP_LIB_PATH`` override counts), else the one beside the binding's libllama."""
+    ``LLAMA_CPP_LIB_PATH`` override counts), else the one beside the binding's libllama; None when
+    the loaded file has since been replaced on disk (its bytes no longer name what runs)."""
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
             path = parts[5] if len(parts) == 6 else ""
-            if "/libggml-cpu" in path and os.path.isfile(path):
-                return Path(path)
+            if "/libggml-cpu" in path:
+                return Path(path) if os.path.isfile(path) else None  # " (deleted)": reinstalled under us
     except OSError:
         pass
     from llama_cpp import llama_cpp as lib
