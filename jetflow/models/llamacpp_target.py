@@ -29,6 +29,7 @@ from jetflow.models.gguf_meta import gguf_file_type
 from jetflow.models.identity import weights_fingerprint
 from jetflow.tree.build import main_chain_nodes
 from jetflow.tree.mask import check_parents, is_chain, tree_depths
+from jetflow.utils.fs import file_digest
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
 DEFAULT_BATCH = 512  # prefill chunk and the largest tree one decode takes (as llama-cpp-python's Llama)
@@ -90,10 +91,7 @@ def llama_build() -> dict:
     columns = getattr(ctypes.CDLL(str(path)), "jetflow_quant_dot_columns", None)
     if columns is not None:
         columns.restype, columns.argtypes = ctypes.c_int, []
-    import hashlib
-
-    return {"cpu_library": hashlib.sha1(path.read_bytes()).hexdigest()[:16],
-            "quant_dot_columns": int(columns()) if columns is not None else 1}
+    return {"cpu_library": file_digest(path), "quant_dot_columns": int(columns()) if columns is not None else 1}
 
 
 # C++-linkage functions of src/llama-ext.h: bound by their (Itanium) mangled names.
