@@ -1,19 +1,22 @@
-"""A chat's next turn with and without the prompt prefix cache, on the llama.cpp backend.
+"""A chat's next turn with and without the prompt prefix cache, on either backend.
 
 Multi-turn conversations (MT-Bench: every question, then its second turn after the first answer)
 decoded greedily in order, each arm in a context of its own so that its cache holds its own
 previous request, like one chat client of a single-stream server or the Python API:
 
 * ``ar, cache`` / ``ar, no cache``: JetFlow's plain loop with ``prefix_cache`` on (the default) / off;
-* ``auto, cache``: JetFlow's default decoder (shipped drafter, ``--budget auto``, prompt lookup);
-* ``llama-cpp-python, reuse`` / ``llama-cpp-python, reset``: ``Llama.generate`` keeping the prefix it
-  shares with its previous call (its default) / the cache cleared first (what ``jetflow bench``'s
-  ``llama-ar`` does, so that every method prefills every prompt in full).
+* ``auto, cache`` / ``auto, no cache``: JetFlow's default decoder (shipped drafter, ``--budget
+  auto``, prompt lookup), the same way; with the cache, a request that reads the target's features
+  takes those kept for the cached prefix;
+* llama.cpp only, ``llama-cpp-python, reuse`` / ``llama-cpp-python, reset``: ``Llama.generate``
+  keeping the prefix it shares with its previous call (its default) / the cache cleared first (what
+  ``jetflow bench``'s ``llama-ar`` does, so that every method prefills every prompt in full).
 
 Arms run conversation by conversation, in an order that rotates. Prints seconds, prefill seconds
 and prompt tokens taken from the cache per turn, and whether all outputs are identical.
 
     python benchmarks/prefix_cache.py --limit 10 --out docs/results/llamacpp/prefix_cache.json
+    python benchmarks/prefix_cache.py --backend torch --limit 10 --out docs/results/prefix_cache_torch.json
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jetflow
 from jetflow.decoding.api import prepare_request
 from jetflow.eval.datasets import load_eval_set
 from jetflow.eval.llama_reference import llama_greedy, open_llama
+from jetflow.eval.machine import machine
 from jetflow.models.loading import load_target
 from jetflow.utils.fs import write_json_atomic
 
@@ -38,25 +42,30 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", choices=["llamacpp", "torch"], default="llamacpp")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     def jetflow_arm(cache: bool, drafter: str):
-        target = load_target(None, backend="llamacpp", n_threads=args.threads)
+        target = load_target(None, backend=args.backend, n_threads=args.threads)
         target.prefix_cache = cache
         decoder = jetflow.JetFlow.from_pretrained(target, drafter, budget="auto") if drafter != "none" else None
 
-        def run(messages):
+        def run(messages, max_new_tokens=args.max_new_tokens):
             if decoder is None:
-                return jetflow.generate(target, messages, max_new_tokens=args.max_new_tokens)
-            return decoder.generate(messages, max_new_tokens=args.max_new_tokens)
+                return jetflow.generate(target, messages, max_new_tokens=max_new_tokens)
+            return decoder.generate(messages, max_new_tokens=max_new_tokens)
+        # Untimed: the first `auto` request on a machine measures its cost curve, and the first
+        # forwards warm the runtime.
+        run([{"role": "user", "content": "Say hello."}], max_new_tokens=8)
+        target.reset()
         return target, run
 
     arms = {"ar, cache": jetflow_arm(True, "none"), "ar, no cache": jetflow_arm(False, "none"),
-            "auto, cache": jetflow_arm(True, "auto")}
+            "auto, cache": jetflow_arm(True, "auto"), "auto, no cache": jetflow_arm(False, "auto")}
     reference = arms["ar, cache"][0]
-    for reuse in (True, False):
+    for reuse in (True, False) if args.backend == "llamacpp" else ():
         llm = open_llama(reference.gguf, n_ctx=reference.max_context, n_threads=args.threads)
 
         def run(messages, llm=llm, reuse=reuse):
@@ -89,7 +98,8 @@ def main() -> int:
                 row["seconds"] += seconds
         print(f"{c + 1}/{len(conversations)} conversations", flush=True)
     same = {name: outputs[name] == outputs["ar, no cache"] for name in names}
-    out = {"command": ["benchmarks/prefix_cache.py", *__import__("sys").argv[1:]], "dataset": args.dataset,
+    out = {"command": ["benchmarks/prefix_cache.py", *__import__("sys").argv[1:]], "machine": machine(),
+           "backend": args.backend, "dataset": args.dataset,
            "conversations": len(conversations), "max_new_tokens": args.max_new_tokens,
            "arms": {name: dict(row) for name, row in totals.items()}, "identical_to_ar_no_cache": same}
     for name, row in totals.items():

@@ -1,7 +1,8 @@
-"""Chat clients of the batching server (`jetflow serve --max-batch N`, llama.cpp) with and without its
-prefix cache: how much sooner a conversation's next turn starts when the server kept the turn before.
+"""Chat clients of the batching server (`jetflow serve --max-batch N`, llama.cpp or ``--backend torch``)
+with and without its prefix cache: how much sooner a conversation's next turn starts when the server
+kept the turn before.
 
-One server on the same GGUF per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
+One server on the same target per arm (``--prefix-cache-slots`` values, e.g. 4 and 0; 0 keeps no
 cache at all; ``--before DIR`` adds a server run from another checkout of JetFlow with its own
 defaults, e.g. ``git worktree add /tmp/before <commit>``; ``--stock-lib DIR`` one of this checkout on
 another llama.cpp build, its ``llama_cpp/lib`` directory loaded through ``LLAMA_CPP_LIB_PATH``, with
@@ -22,6 +23,8 @@ is identical across arms.
         --out docs/results/llamacpp/serve_oneshot.json      # what the cache costs where no turn follows
     python benchmarks/serve_multiturn.py --slots 4 --stock-lib <a stock build's llama_cpp/lib> --clients 4 \
         --limit 16 --out docs/results/llamacpp/serve_multiturn_two_column.json   # the two-column kernels
+    python benchmarks/serve_multiturn.py --backend torch --slots 4,0 --clients 4 --limit 8 \
+        --out docs/results/prefix_cache/serve_multiturn_torch.json
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def start(args, arm: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", "llamacpp", "--threads", str(args.threads),
+    cmd = [sys.executable, "-m", "jetflow.cli", "serve", "--backend", args.backend, "--threads", str(args.threads),
            "--max-batch", str(args.max_batch), "--port", str(port)]
     env, cwd = dict(os.environ), None
     if arm == "before":
@@ -110,6 +113,7 @@ def cached_tokens(base: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=["llamacpp", "torch"], default="llamacpp")
     ap.add_argument("--slots", default="4,0", help="--prefix-cache-slots of each arm, comma-separated")
     ap.add_argument("--before", default=None, help="one more arm: a server from this checkout of JetFlow")
     ap.add_argument("--stock-lib", default=None,

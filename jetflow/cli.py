@@ -898,13 +898,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "one forward (1 = one request at a time); on llama.cpp each request holds a KV stream of the "
                         "model's context length")
     v.add_argument("--prefix-cache", choices=["on", "off"], default="on",
-                   help="llama.cpp: start a prompt from the cached cells of the prefix it shares with an earlier one "
-                        "(a chat's next turn, a system prompt; outputs unchanged). off: every prompt is prefilled in "
-                        "full, so no client's timing tells what others sent (default: on)")
+                   help="start a prompt from the cached KV of the prefix it shares with an earlier one (a chat's next "
+                        "turn, a system prompt): with --max-batch 1 on either backend, and in the llama.cpp batch. off: "
+                        "every prompt is prefilled in full, so no client's timing tells what others sent (default: on)")
     v.add_argument("--prefix-cache-slots", type=_non_negative_int, default=4,
-                   help="llama.cpp with --max-batch > 1: recent prompts and finished conversations kept for the "
-                        "prefix cache, each in a KV stream of the model's context length; 0: none, and no stream "
-                        "copies or kept features (default: %(default)s)")
+                   help="with --max-batch > 1: recent prompts and finished conversations kept for the prefix cache "
+                        "(llama.cpp: each in a KV stream of the model's context length; torch: their keys and values "
+                        "copied out); 0: none, and no copies or kept features (default: %(default)s)")
     v.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
                    help="prompt tokens prefilled between two decoding steps of a batch (at least one request): "
                         "requests arriving together are admitted over several steps, so running ones keep "

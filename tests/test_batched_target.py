@@ -331,3 +331,106 @@ def test_load_budget_trusts_measured_steps_over_the_cost_curve():
     assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == policy.explore_every - 1
     policy.observe_step(1, drafted=True, tokens=1, ms=1.0)  # a lone request is the single-stream policy's
     assert 1 not in policy.ways
+
+
+QUESTIONS = ["What is the capital of France? Answer briefly.", "Name two prime numbers above ten.",
+             "Write one sentence about the sea."]
+
+
+def test_prefix_cache_keeps_finished_conversations(target, solo):
+    """Finished sequences (prompt and answer) go into the prefix cache, least recently used out:
+    every entry's keys, values and features equal a fresh prefill of its tokens, and a next turn
+    that starts with a cached conversation prefills only its new tokens, with the rows it gets alone."""
+    from jetflow.decoding.prompt import encode_prompt
+    from jetflow.models.prefix_cache import MIN_SHARED
+
+    rng = random.Random(3)
+    system = {"role": "system", "content": "You are a helpful assistant."}  # a shared system block
+    prompts = [encode_prompt(target.tokenizer, [system, {"role": "user", "content": q}]) for q in QUESTIONS]
+    batch = BatchedTarget(target, prefix_slots=2)
+
+    def converse(prompt, steps):  # join, verify and commit random trees, remember, leave
+        rid, _ = batch.join(prompt)
+        for _ in range(steps):
+            tokens, parents = random_tree(rng, rng.randrange(1, 6), 200)
+            batch.verify({rid: (tokens, parents)})
+            batch.commit({rid: path_to_root(parents, rng.randrange(len(parents)))})
+        tokens = list(batch.token_ids(rid))
+        batch.remember(rid)
+        batch.leave(rid)
+        return tokens
+
+    first = converse(prompts[0], 4)
+    second = converse(prompts[1], 3)  # its prompt's system block came from the first one's entry
+    assert [e.token_ids for e in batch._cached.entries] == [first, second]
+    assert batch.prefix_tokens_reused > MIN_SHARED  # the second prompt's system block
+    reused = batch.prefix_tokens_reused
+    follow_up = first + [rng.randrange(3, 200) for _ in range(MIN_SHARED)]
+    rid, out = batch.join(follow_up)  # the first conversation's next turn: only the new tokens are prefilled
+    assert batch.prefix_tokens_reused - reused == len(first) == batch.cached_prompt_tokens(rid)
+    ref = solo.prefill(follow_up)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+    batch.remember(rid)  # it extends the first conversation's entry, which makes room
+    batch.leave(rid)
+    assert [e.token_ids for e in batch._cached.entries] == [second, follow_up]
+    third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
+    assert [e.token_ids for e in batch._cached.entries] == [follow_up, third]
+    short = converse([rng.randrange(3, 200) for _ in range(MIN_SHARED - 3)], 1)  # could never be offered:
+    assert len(short) <= MIN_SHARED and [e.token_ids for e in batch._cached.entries] == [follow_up, third]  # evicts none
+    for entry in batch._cached.entries:  # brute force: each entry holds a fresh prefill's keys, values and features
+        ref = solo.prefill(entry.token_ids)
+        torch.testing.assert_close(entry.features, ref.hidden, atol=1e-4, rtol=1e-4)
+        for (k, v), layer in zip(entry.kv, solo.cache.layers):
+            torch.testing.assert_close(k, layer.keys[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, layer.values[0], atol=1e-4, rtol=1e-4)
+    assert batch.rows == []
+
+
+def test_without_a_cache_nothing_is_kept(target):
+    """No slots, or the target's own cache off: no entries, no features kept per row."""
+    from jetflow.decoding.prompt import encode_prompt
+
+    prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    for slots, on in ((0, True), (2, False)):
+        target.prefix_cache = on
+        try:
+            batch = BatchedTarget(target, prefix_slots=slots)
+            for p in prompts:
+                rid, _ = batch.join(p)
+                batch.remember(rid)
+                assert batch.cached_prompt_tokens(rid) == 0
+            assert batch._cached.entries == [] and all(r.features is None for r in batch.rows)
+            assert batch.prefix_tokens_reused == 0
+        finally:
+            target.prefix_cache = True
+    with pytest.raises(ValueError, match="prefix_slots must be >= 0"):
+        BatchedTarget(target, prefix_slots=-1)
+
+
+def test_a_chats_next_turn_through_the_batch_decoder(target):
+    """A second turn joins the batch from the cached first turn (prompt and answer) and decodes as
+    the same conversation alone with a fresh prefill."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    decoder = BatchDecoder(target, head)
+    jf = jetflow.JetFlow(target, head)
+
+    def turn(messages):
+        r = decoder.add(request(target, messages, 8, max_new_tokens=20))
+        while not r.finished:
+            decoder.step()
+        return r.result
+
+    turn1 = [rng for rng in random.Random(5).choices(range(3, 200), k=40)]  # token ids: the answer goes back as it came
+    first = turn(turn1)
+    turn2 = turn1 + first.token_ids + [11, 12, 13]
+    second = turn(turn2)
+    # all but the last answer token (the bonus of the last round, never committed) came from the cache
+    assert second.cached_prompt_tokens >= len(turn1) + len(first.token_ids) - 1
+    target.prefix_cache = False
+    try:
+        alone = jf.generate(turn2, max_new_tokens=20, budget=8, width=3)
+    finally:
+        target.prefix_cache = True
+    assert second.token_ids == alone.token_ids

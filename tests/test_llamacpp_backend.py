@@ -274,7 +274,7 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
     """A prompt that extends what the cache holds (the next turn of a chat) computes only its new
     tokens, and its logits equal a fresh prefill's exactly. The cells come from a speculative request
     that ended on an accepted side branch (committed tokens whose cells were dropped, ``_redo``, which
-    must not count); features are never taken from the cache."""
+    must not count); with features, as far as the features kept for the committed tokens reach."""
     import jetflow
 
     target = llama_target
@@ -298,8 +298,21 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
         assert target.reused_tokens == min(shared, in_cells) and target.token_ids == follow
         assert target.past_len == len(follow) and not target._redo
         assert torch.equal(reused, fresh[shared]), shared
-    assert target.prefill(follow + [5], return_hidden=True).hidden.shape[0] == len(follow) + 1
-    assert target.reused_tokens == 0  # features are computed for every position
+    # With features: as far as the features kept of the committed tokens reach (the speculative
+    # request read them for every token it committed), handed back for the cached part.
+    target.prefix_cache = False
+    fresh = {shared: target.prefill(follow, return_hidden=True) for shared, follow in follows.items()}
+    target.prefix_cache = True
+    for shared, follow in follows.items():
+        assert speculative_run() == held and target.features.length == len(held)
+        out = target.prefill(follow, return_hidden=True)
+        assert target.reused_tokens == min(shared, in_cells)
+        assert torch.equal(out.logits, fresh[shared].logits), shared
+        assert out.hidden.shape == fresh[shared].hidden.shape
+        assert torch.equal(out.hidden, fresh[shared].hidden), shared  # the kept features too, bit for bit
+    target.greedy_step(5)  # a plain step reads no features: they end before it
+    target.prefill(follow + [5, 6], return_hidden=True)
+    assert target.reused_tokens == len(follow)
     target.prefill(follow, return_hidden=False)
     assert target.reused_tokens == len(follow) - 1  # the whole prompt held: its last token runs again, for its logits
     target.flash_attn = True  # (the context's kernel is set at load; only the cache's decision is checked here)

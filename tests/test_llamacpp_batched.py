@@ -190,7 +190,7 @@ def test_prefix_cache_keeps_finished_conversations(llama_target):
 
     first = converse(prompts[0], 4)  # the system block is cached with it: the next ones reuse it
     second = converse(prompts[1], 3)
-    assert [e.token_ids for e in batch._cached] == [first, second]  # the second extended nothing
+    assert [e.token_ids for e in batch._cached.entries] == [first, second]  # the second extended nothing
     reused = batch.prefix_tokens_reused
     follow_up = first + [rng.randrange(100, 20000) for _ in range(MIN_SHARED)]
     sid, out = batch.join(follow_up)  # the first conversation's next turn: only the new tokens are prefilled
@@ -199,12 +199,12 @@ def test_prefix_cache_keeps_finished_conversations(llama_target):
     assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
     batch.remember(sid)  # it extends the first conversation's entry, which makes room
     batch.leave(sid)
-    assert [e.token_ids for e in batch._cached] == [second, follow_up]
+    assert [e.token_ids for e in batch._cached.entries] == [second, follow_up]
     third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
-    assert [e.token_ids for e in batch._cached] == [follow_up, third]
+    assert [e.token_ids for e in batch._cached.entries] == [follow_up, third]
     short = converse([rng.randrange(100, 20000) for _ in range(MIN_SHARED - 3)], 1)  # could never be offered:
-    assert len(short) <= MIN_SHARED and [e.token_ids for e in batch._cached] == [follow_up, third]  # evicts none
-    for entry in list(batch._cached):  # brute force: each stream holds a fresh prefill's cells and features
+    assert len(short) <= MIN_SHARED and [e.token_ids for e in batch._cached.entries] == [follow_up, third]  # evicts none
+    for entry in list(batch._cached.entries):  # brute force: each stream holds a fresh prefill's cells and features
         assert torch.equal(entry.hidden, t.prefill(entry.token_ids).hidden)
         sid, out = batch.join(entry.token_ids + [7])
         assert torch.equal(out.logits, t.prefill(entry.token_ids + [7]).logits[-1:])
@@ -235,7 +235,7 @@ def test_without_a_cache_nothing_is_kept_and_prompts_join_together(llama_target)
         for (sid, out), p in zip(joined, prompts):
             assert torch.equal(out.logits, t.prefill(p).logits[-1:])
             batch.remember(sid)
-        assert batch._cached == [] and all(s.hidden == [] for s in batch.seqs)
+        assert batch._cached.entries == [] and all(s.hidden == [] for s in batch.seqs)
     with pytest.raises(JetFlowError, match="--max-batch 253 \\+ --prefix-cache-slots 4 is 257; lower one"):
         LlamaCppBatchedTarget(t, max_seqs=253, context_per_seq=256, prefix_slots=4)
 

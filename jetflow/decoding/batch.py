@@ -43,7 +43,7 @@ class BatchRequest:
     _generator: object = None
     _t0: float = 0.0
     _prefill_s: float = 0.0
-    _cached: int = 0  # prompt tokens taken from the backend's prefix cache (llama.cpp)
+    _cached: int = 0  # prompt tokens taken from the batch's prefix cache
 
     @property
     def finished(self) -> bool:
@@ -77,7 +77,7 @@ class BatchDecoder:
                  load_budget: LoadBudget | None = None, max_batch: int = 32, prefix_slots: int | None = None):
         """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py);
         ``max_batch``: the most requests at once (llama.cpp reserves a KV stream for each);
-        ``prefix_slots``: llama.cpp's prefix cache streams (models/llamacpp_batched.py)."""
+        ``prefix_slots``: entries of the batch's prefix cache (models/batched_target.py, llamacpp_batched.py)."""
         self.batch = batched_target(target, max_batch, prefix_slots)
         self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
         self.load_budget = load_budget

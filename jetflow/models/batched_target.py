@@ -8,6 +8,15 @@ length_r + depth; ``commit`` moves each row's accepted nodes right behind its pr
 cache to the longest row. A sequence joins after a prefill of its own (the target's single-sequence
 cache is the scratch space) into a spare row of the cache's buffers, and leaves by moving the last
 row into its place: neither copies the rest of the batch.
+
+Prefix cache: ``prefix_slots`` entries keep recent sequences' keys, values and tapped features:
+prompts as they join, and whole conversations (prompt and answer) as they finish, so a chat's next
+turn finds its previous turn there. A joining prompt that shares at least ``MIN_SHARED`` leading
+tokens with one starts its prefill from them (the scratch target's own prefix cache,
+:meth:`TargetModel.prefill`), as a single stream does; the least recently used entry makes room.
+Costs: each entry holds its tokens' keys and values (46 KB a token for SmolLM2 in float32) and
+features (11.5 KB), copied out of the batch as its request finishes; every running row keeps its
+features too. Kept rows equal a fresh prefill's up to float rounding, as verifies do.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from jetflow.models.backend import TargetOutput, check_path
+from jetflow.models.prefix_cache import DEFAULT_PREFIX_SLOTS, CommittedFeatures, PrefixEntries
 from jetflow.tree.mask import ancestor_matrix, check_parents, tree_depths
 
 
@@ -70,23 +80,35 @@ class _Row:
     id: int
     length: int
     token_ids: list[int] = field(default_factory=list)
+    features: CommittedFeatures | None = None  # kept while the batch has a prefix cache
+    cached: int = 0  # prompt tokens its join took from the cache
+
+
+@dataclass
+class _Cached:
+    token_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [heads, tokens, head_dim]
+    features: torch.Tensor | None
+
 
 
 def batched_target(target, max_seqs: int = 32, prefix_slots: int | None = None):
-    """The many-sequence view of ``target`` for its backend; ``prefix_slots``: llama.cpp's prefix
-    cache streams (None: its default; the torch rows have no prefix cache)."""
+    """The many-sequence view of ``target`` for its backend; ``prefix_slots``: entries of its prefix
+    cache (None: the default)."""
+    slots = DEFAULT_PREFIX_SLOTS if prefix_slots is None else prefix_slots
     if target.backend == "llamacpp":
-        from jetflow.models.llamacpp_batched import DEFAULT_PREFIX_SLOTS, LlamaCppBatchedTarget
+        from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
 
-        return LlamaCppBatchedTarget(target, max_seqs=max_seqs,
-                                     prefix_slots=DEFAULT_PREFIX_SLOTS if prefix_slots is None else prefix_slots)
-    return BatchedTarget(target)
+        return LlamaCppBatchedTarget(target, max_seqs=max_seqs, prefix_slots=slots)
+    return BatchedTarget(target, prefix_slots=slots)
 
 
 class BatchedTarget:
     chains_only = False  # verifies whole trees, each row with its own tree mask
 
-    def __init__(self, target):
+    def __init__(self, target, prefix_slots: int = 0):
+        if prefix_slots < 0:
+            raise ValueError(f"prefix_slots must be >= 0, got {prefix_slots}")
         if target.backend != "torch":
             raise JetFlowError("batched decoding runs on the torch backend")
         if target._sliding_window:
@@ -98,6 +120,9 @@ class BatchedTarget:
         self._next_id = 0
         self._pending: dict[int, list[int]] | None = None  # row id -> parents of its verified tree
         self._width = 0  # cache cells before the pending trees
+        self._cached = PrefixEntries(prefix_slots)
+        self._pending_hidden: dict[int, torch.Tensor] = {}  # rows' verified features, kept at commit while caching
+        self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to the cache
 
     # ------------------------------------------------------------------ rows
     def _row(self, row_id: int) -> tuple[int, _Row]:
@@ -112,6 +137,13 @@ class BatchedTarget:
     def token_ids(self, row_id: int) -> list[int]:
         return self._row(row_id)[1].token_ids
 
+    def cached_prompt_tokens(self, row_id: int) -> int:
+        """Prompt tokens of the sequence that its join took from the prefix cache."""
+        return self._row(row_id)[1].cached
+
+    def _caching(self) -> bool:
+        return self._cached.capacity > 0 and self.target.prefix_cache  # (off whenever the target's own cache is)
+
     @property
     def width(self) -> int:
         return self.cache.layers[0].width
@@ -121,7 +153,16 @@ class BatchedTarget:
         """Prefill a new sequence alone and add it as a row; returns its id and the prefill output."""
         if self._pending is not None:
             raise RuntimeError("join() between verify() and commit()")
-        out = self.target.prefill(prompt_ids)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+        entry, m = self._cached.best(prompt.numpy()) if self._caching() and prompt.numel() else (None, 0)
+        if entry is not None:  # the scratch target starts from the entry's first m tokens
+            features = entry.features[:m] if entry.features is not None else None
+            self.target.start_from(entry.token_ids[:m], [(k[:, :m], v[:, :m]) for k, v in entry.kv], features)
+        else:
+            self.target.reset()
+        out = self.target.prefill(prompt)
+        reused = self.target.reused_tokens
+        self.prefix_tokens_reused += reused
         n = self.target.cache.layers[0].keys.shape[2]
         for layer, scratch in zip(self.cache.layers, self.target.cache.layers):
             if not layer.is_initialized:
@@ -132,8 +173,14 @@ class BatchedTarget:
             layer.rows += 1
             layer.width = max(layer.width, n)
             layer.view()
+        row = _Row(self._next_id, n, prompt.tolist(), cached=reused)
+        if self._caching():
+            row.features = CommittedFeatures()
+            row.features.add(0, out.hidden)
+            if entry is None:  # the cache serves no part of it: the prompt goes in (a shared system block)
+                self._remember(row.token_ids, [(layer.keys[0], layer.values[0]) for layer in self.target.cache.layers],
+                               out.hidden)
         self.target.reset()  # the scratch cache is not needed any more
-        row = _Row(self._next_id, n, list(int(t) for t in prompt_ids))
         self._next_id += 1
         self.rows.append(row)
         return row.id, out
@@ -149,6 +196,22 @@ class BatchedTarget:
                 self.leave(row_id)
             raise
         return joined
+
+    @torch.inference_mode()
+    def remember(self, row_id: int) -> None:
+        """Keep the keys, values and features of sequence ``row_id`` (prompt and answer so far) in the
+        prefix cache, for a next turn that starts with them; called as a finished request leaves."""
+        if self._caching():
+            b, row = self._row(row_id)
+            kv = [(layer.kbuf[b, :, :row.length].clone(), layer.vbuf[b, :, :row.length].clone())
+                  for layer in self.cache.layers]
+            features = row.features.rows(row.features.length) if row.features.length else None
+            self._remember(row.token_ids, kv, features)
+
+    def _remember(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], features) -> None:
+        keep, _ = self._cached.make_room(tokens)
+        if keep:
+            self._cached.add(_Cached(list(tokens), kv, features))
 
     @torch.inference_mode()
     def leave(self, row_id: int) -> None:
@@ -212,6 +275,8 @@ class BatchedTarget:
         t._captured.clear()
         self._pending = {rid: [int(p) for p in trees[rid][1]] for rid in trees}
         self._pending_tokens = {rid: [int(x) for x in trees[rid][0]] for rid in trees}
+        self._pending_hidden = ({row.id: hidden[b, :sizes[row.id]] for b, row in enumerate(self.rows)}
+                                if hidden is not None and self._caching() else {})
         self._width = width
         logits = out.logits.float()
         return {row.id: TargetOutput(logits[b, :sizes[row.id]], hidden[b, :sizes[row.id]] if hidden is not None else None)
@@ -231,6 +296,8 @@ class BatchedTarget:
             src += [self._width + n for n in nodes]
             dst += list(range(row.length, row.length + len(nodes)))
             row.token_ids += [self._pending_tokens[row.id][n] for n in nodes]
+            if row.features is not None:
+                row.features.add(row.length, self._pending_hidden[row.id][nodes] if row.id in self._pending_hidden else None)
             row.length += len(nodes)
         width = max(r.length for r in self.rows)
         device = self.target.device
@@ -240,5 +307,5 @@ class BatchedTarget:
                 buf[r_, :, d_] = buf[r_, :, s_]  # the right side is a copy: overlaps are safe
             layer.width = width
             layer.view()
-        self._pending = None
+        self._pending, self._pending_hidden = None, {}
 

@@ -41,10 +41,9 @@ import torch
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, check_path
 from jetflow.models.llamacpp_target import MAX_SEQ, LlamaCppError, OwnsLlamaContext, _Batch
+from jetflow.models.prefix_cache import DEFAULT_PREFIX_SLOTS, MIN_SHARED, PrefixEntries, shared_prefix_length
 
 
-MIN_SHARED = 16  # shortest shared prompt prefix worth copying a stream for
-DEFAULT_PREFIX_SLOTS = 4  # cache streams: each costs a sequence's KV cells
 
 
 def check_sequence_count(max_seqs: int, prefix_slots: int) -> None:
@@ -103,7 +102,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self._next_id = 0
         self._pending: dict[int, int] | None = None  # sequence id -> nodes of its verified chain
         self._cache_slots = list(range(self.max_seqs, streams))
-        self._cached: list[_Cached] = []  # least recently used first
+        self._cached = PrefixEntries(len(self._cache_slots))
         self._features = bool(target.tapped_layers) and bool(self._cache_slots)  # kept per sequence, for the cache
         self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to the cache
 
@@ -148,7 +147,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         offers = [self._cached_prefix(p) for p in prompts]
         shared = [m for _, m in offers]
         if self._caching() and len(prompts) > 1 and max(shared) == 0 and any(
-                _common_prefix(prompts[0], p) >= MIN_SHARED for p in prompts[1:]):
+                shared_prefix_length(prompts[0], p, p.size) >= MIN_SHARED for p in prompts[1:]):
             # they share a prefix the cache lacks: the first prompt goes alone and fills the cache
             head = self.join_many(prompts[:1])
             try:
@@ -166,8 +165,6 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
                 self._lib.llama_memory_seq_rm(self._mem, first + i, m, -1)
                 if entry.hidden is not None:
                     hidden[i].append(entry.hidden[:m])
-                self._cached.remove(entry)  # now the most recently used
-                self._cached.append(entry)
         try:
             while any(f < p.size for f, p in zip(fed, prompts)):
                 n, spans = 0, []  # spans: (prompt index, first batch row, rows)
@@ -218,14 +215,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         """The cache entry sharing the longest prefix with ``prompt`` and how many leading tokens
         that is ((None, 0) when too few to bother); at least one token is left to prefill, whose
         logits the caller needs."""
-        if not self._caching():
-            return None, 0
-        best, m = None, 0
-        for entry in reversed(self._cached):  # on a tie the most recent, so the oldest stays the oldest
-            k = _common_prefix(np.asarray(entry.token_ids, dtype=np.int32), prompt[:-1])
-            if k > m:
-                best, m = entry, k
-        return (best, m) if m >= MIN_SHARED else (None, 0)
+        return self._cached.best(prompt) if self._caching() else (None, 0)
 
     def remember(self, seq_id: int) -> None:
         """Keep the cells of sequence ``seq_id`` (prompt and answer so far) in the prefix cache, for
@@ -234,25 +224,16 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
 
     def _remember(self, s: _Seq) -> None:
         tokens = s.token_ids
-        if not self._caching() or len(tokens) <= MIN_SHARED:  # (too short ever to be offered: it would only evict)
+        keep, victim = self._cached.make_room(tokens) if self._caching() else (False, None)
+        if not keep:
             return
-        for entry in self._cached:
-            if entry.token_ids[:len(tokens)] == tokens:  # already held: only its use is new
-                self._cached.remove(entry)
-                self._cached.append(entry)
-                return
-        # an entry it extends (the previous turn) makes room first, then a free stream, then the oldest
-        extended = [e for e in self._cached if tokens[:len(e.token_ids)] == e.token_ids]
-        free = [slot for slot in self._cache_slots if slot not in {e.slot for e in self._cached}]
-        victim = extended[0] if extended else None if free else self._cached[0]
-        if victim is not None:
-            self._cached.remove(victim)
-        slot = victim.slot if victim is not None else free[0]
+        used = {e.slot for e in self._cached.entries}
+        slot = victim.slot if victim is not None else next(x for x in self._cache_slots if x not in used)
         self._lib.llama_memory_seq_cp(self._mem, s.slot, slot, -1, -1)  # the stream's cells, copied whole
         hidden = torch.cat(s.hidden) if self._features else None
         if hidden is not None:
             s.hidden = [hidden]
-        self._cached.append(_Cached(slot, list(tokens), hidden))
+        self._cached.add(_Cached(slot, list(tokens), hidden))
 
     def leave(self, seq_id: int) -> None:
         if self._pending is not None:
@@ -341,8 +322,3 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             self._lib.llama_memory_seq_rm(self._mem, s.slot, s.length, -1)
         self._pending = None
 
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n

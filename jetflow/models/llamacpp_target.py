@@ -27,6 +27,7 @@ from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.gguf_meta import gguf_file_type
 from jetflow.models.identity import weights_fingerprint
+from jetflow.models.prefix_cache import CommittedFeatures, shared_prefix_length
 from jetflow.tree.build import main_chain_nodes
 from jetflow.tree.mask import check_parents, is_chain, tree_depths
 from jetflow.utils.fs import file_digest
@@ -261,6 +262,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._row, self._row_address = None, None  # see _logits_row
         self.prefix_cache = True  # prefill keeps a shared prefix's cells (jetflow bench turns it off: fair timing)
         self.reused_tokens = 0
+        self.features = CommittedFeatures()  # of the committed tokens, for a prefill that reuses cells
         self._taps_enabled: set[int] = set()
         self._taps_on = True
         self._stop_ids = self._eog_ids()
@@ -344,6 +346,8 @@ class LlamaCppTarget(OwnsLlamaContext):
                 self._ext["set_layer_inp"](self._ctx, lid, lid in wanted)
         self._taps_enabled = wanted
         self.tapped_layers = taps
+        if hasattr(self, "features"):
+            self.features.clear()  # other layers' features
 
     def _compute_taps(self, on: bool) -> None:
         """Have the next decodes copy out the tapped layer inputs, or not. They cost ~0.7 ms of a
@@ -362,8 +366,10 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._lib.llama_memory_clear(self._mem, False)
         self.past_len = 0
         self.token_ids: list[int] = []
+        self.features.clear()
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []
+        self._pending_hidden: torch.Tensor | None = None
         self._pending_members: np.ndarray | None = None
         self._pending_order: np.ndarray | None = None
         # Committed tokens whose cells were dropped because they were not where one-token decoding
@@ -394,30 +400,36 @@ class LlamaCppTarget(OwnsLlamaContext):
 
     # ------------------------------------------------------------------ forwards
     def prefill(self, prompt_ids, return_hidden: bool = True) -> TargetOutput:
-        """Start a new sequence with ``prompt_ids``. Without features, and with ``prefix_cache`` on,
-        the cells of the longest prefix it shares with what the cache holds are kept (the next turn
-        of a chat, a shared system prompt) and only the rest is computed (``reused_tokens``): the
-        logits are bit for bit a fresh prefill's (one-token and chained decodes give the same rows
-        in this build, and the kept cells are where a fresh prefill puts them). Not with flash
-        attention, whose rows depend on how many are decoded together: it turns the cache off."""
+        """Start a new sequence with ``prompt_ids``. With ``prefix_cache`` on, the cells of the
+        longest prefix it shares with what the cache holds are kept (the next turn of a chat, a
+        shared system prompt) and only the rest is computed (``reused_tokens``): the logits are bit
+        for bit a fresh prefill's (one-token and chained decodes give the same rows in this build,
+        and the kept cells are where a fresh prefill puts them). With ``return_hidden``, only as much
+        of the prefix as the features kept of the committed tokens cover (``features``), which are
+        handed back for it: the features of a verify's accepted path, where a fresh prefill's would
+        differ by float rounding (they feed only drafts). Not with flash attention, whose rows depend
+        on how many are decoded together: it turns the cache off."""
         ids = np.asarray(torch.as_tensor(prompt_ids).flatten().tolist(), dtype=np.int32)
         if ids.size == 0:
             raise InvalidRequestError("empty prompt: nothing to prefill")
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
         keep = 0
-        if self.reuses_prefixes and not return_hidden:
+        if self.reuses_prefixes:
             self._drop_pending()
             keep = self._cached_prefix(ids)
+            if return_hidden:
+                keep = min(keep, self.features.length)
         try:
             if keep:  # (the dropped cells of _redo lie past the kept ones)
                 self.past_len, self.token_ids, self._redo = keep, self.token_ids[:keep], []
+                self.features.truncate(keep)
                 self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
             else:
                 self.reset()
             self.reused_tokens = keep
             self._compute_taps(return_hidden)
-            hidden, out = [], None
+            hidden, out = [self.features.rows(keep)] if return_hidden and keep else [], None
             for start in range(keep, ids.size, self.n_batch):
                 chunk = ids[start:start + self.n_batch]
                 self._batch.chain(chunk, self.past_len, all_logits=False)
@@ -425,6 +437,7 @@ class LlamaCppTarget(OwnsLlamaContext):
                 out = self._outputs(1, len(chunk), return_hidden)
                 if out.hidden is not None:
                     hidden.append(out.hidden)
+                    self.features.add(self.past_len, out.hidden)
                 self.past_len += len(chunk)
                 self.token_ids += chunk.tolist()
         except BaseException:  # (an interrupt too) cells and bookkeeping could disagree: start clean
@@ -435,11 +448,7 @@ class LlamaCppTarget(OwnsLlamaContext):
     def _cached_prefix(self, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` (all but the last, whose logits are wanted) the cache
         holds in place: committed tokens whose cells were dropped (``_redo``) do not count."""
-        held = min(self.past_len - len(self._redo), ids.size - 1)
-        if held <= 0:
-            return 0
-        differ = np.flatnonzero(np.asarray(self.token_ids[:held], dtype=np.int32) != ids[:held])
-        return int(differ[0]) if differ.size else held
+        return shared_prefix_length(self.token_ids, ids, min(self.past_len - len(self._redo), ids.size - 1))
 
     @property
     def reuses_prefixes(self) -> bool:
@@ -492,9 +501,12 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._pending_order = order
         out = self._outputs(n + m, n + m, return_hidden)
         if order is None:  # rows already in node order
-            return TargetOutput(out.logits[m:], out.hidden[m:] if out.hidden is not None else None)
-        rows = m + torch.from_numpy(np.argsort(order))  # node order
-        return TargetOutput(out.logits[rows], out.hidden[rows] if out.hidden is not None else None)
+            out = TargetOutput(out.logits[m:], out.hidden[m:] if out.hidden is not None else None)
+        else:
+            rows = m + torch.from_numpy(np.argsort(order))  # node order
+            out = TargetOutput(out.logits[rows], out.hidden[rows] if out.hidden is not None else None)
+        self._pending_hidden = out.hidden  # the accepted path's rows are kept at commit
+        return out
 
     def commit(self, nodes: Sequence[int]) -> None:
         nodes = check_path(nodes, self._pending_parents)
@@ -518,9 +530,11 @@ class LlamaCppTarget(OwnsLlamaContext):
             self._lib.llama_memory_seq_rm(self._mem, 0, self.past_len, -1)
             self._redo = accepted
         self.token_ids += accepted
+        if self._pending_hidden is not None and nodes:
+            self.features.add(self.past_len, self._pending_hidden[nodes])
         self.past_len = keep_end
         self._pending_tokens, self._pending_parents, self._pending_members = [], [], None
-        self._pending_order = None
+        self._pending_order, self._pending_hidden = None, None
 
     def _drop_pending(self) -> None:
         if self._pending_parents:

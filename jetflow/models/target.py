@@ -25,6 +25,7 @@ from jetflow.models.few_row_linear import use_few_row_linear
 from jetflow.models.gqa_attention import use_packed_gqa
 from jetflow.models.identity import weights_fingerprint
 from jetflow.models.kv_cache import PreallocatedCache
+from jetflow.models.prefix_cache import CommittedFeatures, shared_prefix_length
 from jetflow.models.resolve import ResolvedModel, resolve_model
 from jetflow.tree.mask import check_parents, is_chain, tree_attention_mask, tree_depths
 
@@ -69,6 +70,10 @@ class TargetModel:
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefill_chunk = prefill_chunk
+        # A prefill keeps the cache of the prefix it shares with the committed tokens (jetflow bench
+        # turns it off: every method prefills every prompt in full).
+        self.prefix_cache = True
+        self.features = CommittedFeatures()  # of the committed tokens, for such a prefill that wants features
         self._captured: dict[int, torch.Tensor] = {}
         self._capture = False
         self._hook_handles: list = []
@@ -150,9 +155,23 @@ class TargetModel:
         self.cache = PreallocatedCache()
         self.past_len = 0  # committed tokens in the cache
         self.token_ids: list[int] = []  # the committed tokens themselves
-        self.reused_tokens = 0  # (every prefill computes its whole prompt here)
+        self.reused_tokens = 0  # prompt tokens the latest prefill took from the cache
+        self.features.clear()
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
+        self._pending_hidden: torch.Tensor | None = None  # its features, the accepted path's kept at commit
+
+    @torch.inference_mode()
+    def start_from(self, token_ids: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   features: torch.Tensor | None = None) -> None:
+        """Hold ``token_ids`` as committed, with each layer's keys and values ``kv`` [heads, n, head_dim]
+        (kept from an earlier sequence: the batching server's prefix cache) and their ``features``
+        (None: none kept), so that the next prefill can start from them."""
+        self.reset()
+        for i, (k, v) in enumerate(kv):
+            self.cache.update(k[None], v[None], i)
+        self.past_len, self.token_ids = len(token_ids), [int(t) for t in token_ids]
+        self.features.add(0, features)
 
     def set_tapped_layers(self, layer_ids: Sequence[int]) -> None:
         """Choose the decoder layers (0-based) whose outputs ``prefill``/``verify`` return (several
@@ -167,6 +186,7 @@ class TargetModel:
         layers = self.model.get_decoder().layers
         self._hook_handles = [layers[t].register_forward_hook(self._make_hook(t)) for t in sorted(set(taps))]
         self.tapped_layers = tuple(taps)
+        self.features.clear()  # other layers' features
 
     def _make_hook(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -178,8 +198,14 @@ class TargetModel:
     # ------------------------------------------------------------------ forwards
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int] | torch.Tensor, return_hidden: bool = True) -> TargetOutput:
-        """Reset the cache and run the prompt; returns the last position's logits ([1, V]) and the
-        tapped hidden states of every prompt position ([T, taps*H])."""
+        """Start a new sequence with ``prompt_ids``: the last position's logits ([1, V]) and the tapped
+        hidden states of every prompt position ([T, taps*H]). With ``prefix_cache`` on, the cache of
+        the longest prefix it shares with the committed tokens is kept (a chat's next turn, a shared
+        system prompt) and only the rest is computed (``reused_tokens``); with ``return_hidden``, only
+        as much of it as the features kept of the committed tokens cover (``features``), which are
+        handed back for it. Those keys, values and features came from the forwards that committed
+        the tokens (verifies of trees), so the logits equal a fresh prefill's up to float rounding,
+        as a verify's rows equal one-token steps'."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
         if ids.numel() == 0:
             raise InvalidRequestError("empty prompt: nothing to prefill")
@@ -187,16 +213,34 @@ class TargetModel:
             raise InvalidRequestError(
                 f"prompt has {ids.numel()} tokens; the model's context is {self.max_context} tokens"
             )
-        self.reset()
-        hidden, logits = [], None
-        for start in range(0, ids.numel(), self.prefill_chunk):
-            chunk = ids[start : start + self.prefill_chunk]
-            out = self._forward(chunk, parents=None, last_logits_only=True, return_hidden=return_hidden)
-            self._pending_tokens = chunk.tolist()
-            self._commit_chain(chunk.numel())
-            logits = out.logits
-            if out.hidden is not None:
-                hidden.append(out.hidden)
+        keep = 0
+        if self.prefix_cache:
+            self._drop_pending()
+            keep = shared_prefix_length(self.token_ids, ids.cpu().numpy(), min(self.past_len, ids.numel() - 1))
+            if return_hidden:
+                keep = min(keep, self.features.length)
+        if keep:
+            for layer in self.cache.layers:  # (a slice of the preallocated buffer: no copy)
+                layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+            self.past_len, self.token_ids = keep, self.token_ids[:keep]
+            self.features.truncate(keep)
+        else:
+            self.reset()
+        self.reused_tokens = keep
+        hidden, logits = [self.features.rows(keep)] if return_hidden and keep else [], None
+        try:
+            for start in range(keep, ids.numel(), self.prefill_chunk):
+                chunk = ids[start : start + self.prefill_chunk]
+                out = self._forward(chunk, parents=None, last_logits_only=True, return_hidden=return_hidden)
+                self.features.add(self.past_len, out.hidden)
+                self._pending_tokens = chunk.tolist()
+                self._commit_chain(chunk.numel())
+                logits = out.logits
+                if out.hidden is not None:
+                    hidden.append(out.hidden)
+        except BaseException:  # (an interrupt too) the cache and the bookkeeping could disagree: start clean
+            self.reset()
+            raise
         return TargetOutput(logits, torch.cat(hidden) if hidden else None)
 
     @torch.inference_mode()
@@ -223,6 +267,7 @@ class TargetModel:
         out = self._forward(ids, parents, last_logits_only=False, return_hidden=return_hidden)
         self._pending_parents = parents
         self._pending_tokens = ids.tolist()
+        self._pending_hidden = out.hidden
         return out
 
     @torch.inference_mode()
@@ -359,6 +404,8 @@ class TargetModel:
         nodes = check_path(nodes, parents)
         keep = len(nodes)
         self._pending_tokens = [self._pending_tokens[i] for i in nodes]
+        if self._pending_hidden is not None and keep:
+            self.features.add(self.past_len, self._pending_hidden[nodes])
         if nodes != list(range(keep)):
             index = torch.tensor(nodes, device=self.device) + self.past_len
             for layer in self.cache.layers:
@@ -377,7 +424,7 @@ class TargetModel:
                 layer.keys = layer.keys[..., :new_len, :]
                 layer.values = layer.values[..., :new_len, :]
         self.past_len = new_len
-        self._pending_parents = []
+        self._pending_parents, self._pending_hidden = [], None
 
     def _drop_pending(self) -> None:
         if self._pending_parents:

@@ -66,7 +66,7 @@ class Engine:
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefix_slots = prefix_slots  # llama.cpp batch: prefix cache streams (None: the default)
+        self.prefix_slots = prefix_slots  # the batch's prefix cache entries (None: the default)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
