@@ -23,7 +23,7 @@ is identical across arms.
         --out docs/results/llamacpp/serve_oneshot.json      # what the cache costs where no turn follows
     python benchmarks/serve_multiturn.py --slots 4 --stock-lib <a stock build's llama_cpp/lib> --clients 4 \
         --limit 16 --out docs/results/llamacpp/serve_multiturn_two_column.json   # the two-column kernels
-    python benchmarks/serve_multiturn.py --backend torch --slots 4,0 --clients 4 --limit 8 \
+    python benchmarks/serve_multiturn.py --backend torch --slots 4,0 --clients 4 --limit 16 \
         --out docs/results/prefix_cache/serve_multiturn_torch.json
 """
 
