@@ -47,6 +47,7 @@ def main():
     prompts = PROMPTS if args.prompts is None else [
         p.as_chat() for p in load_eval_set(args.prompts, args.limit)]
     target = TargetModel.load(args.target)
+    target.prefix_cache = False  # every arm prefills every prompt in full, as `jetflow bench` does
     if args.drafter:
         head = load_drafter(args.drafter, target=target)  # a block or an EAGLE head
     else:
