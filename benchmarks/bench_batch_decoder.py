@@ -34,7 +34,8 @@ def main() -> None:
                                          n_threads=args.threads)
     target = jf.target
     load = LoadBudget(jf.adaptive_budget().costs) if args.budget == "auto" else None
-    decoder = BatchDecoder(target, jf.drafter.head, lookup=True, load_budget=load, max_batch=args.requests)
+    decoder = BatchDecoder(target, jf.drafter.head, lookup=True, load_budget=load, max_batch=args.requests,
+                           prefix_slots=0)  # every request prefills in full
     requests = []
     for prompt in load_eval_set("gsm8k", args.requests):
         ids, params, output = prepare_request(target, prompt.request(), max_new_tokens=args.max_new_tokens)

@@ -15,8 +15,8 @@ previous request, like one chat client of a single-stream server or the Python A
 Arms run conversation by conversation, in an order that rotates. Prints seconds, prefill seconds
 and prompt tokens taken from the cache per turn, and whether all outputs are identical.
 
-    python benchmarks/prefix_cache.py --limit 10 --out docs/results/llamacpp/prefix_cache.json
-    python benchmarks/prefix_cache.py --backend torch --limit 10 --out docs/results/prefix_cache_torch.json
+    python benchmarks/prefix_cache.py --limit 10 --out docs/results/prefix_cache/llamacpp_mtbench10.json
+    python benchmarks/prefix_cache.py --backend torch --limit 10 --out docs/results/prefix_cache/torch_mtbench10.json
 """
 
 from __future__ import annotations

@@ -899,7 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's context length")
     v.add_argument("--prefix-cache", choices=["on", "off"], default="on",
                    help="start a prompt from the cached KV of the prefix it shares with an earlier one (a chat's next "
-                        "turn, a system prompt): with --max-batch 1 on either backend, and in the llama.cpp batch. off: "
+                        "turn, a system prompt): on either backend, one request at a time or batched. off: "
                         "every prompt is prefilled in full, so no client's timing tells what others sent (default: on)")
     v.add_argument("--prefix-cache-slots", type=_non_negative_int, default=4,
                    help="with --max-batch > 1: recent prompts and finished conversations kept for the prefix cache "

@@ -23,8 +23,10 @@ def target(tokenizer):
 
 @pytest.fixture(scope="module")
 def solo(tokenizer):
-    """A second target with the same weights, for the one-sequence reference runs."""
-    return TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+    """A second target with the same weights, for the one-sequence reference runs (fresh prefills)."""
+    t = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+    t.prefix_cache = False
+    return t
 
 
 def random_tree(rng, n, vocab):
@@ -388,7 +390,8 @@ def test_prefix_cache_keeps_finished_conversations(target, solo):
 
 
 def test_without_a_cache_nothing_is_kept(target):
-    """No slots, or the target's own cache off: no entries, no features kept per row."""
+    """No slots, or the target's own cache off: no entries, no features kept per row; of prompts
+    joining together only the first goes into the cache (a burst must not push out conversations)."""
     from jetflow.decoding.prompt import encode_prompt
 
     prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -404,6 +407,17 @@ def test_without_a_cache_nothing_is_kept(target):
             assert batch.prefix_tokens_reused == 0
         finally:
             target.prefix_cache = True
+    batch = BatchedTarget(target, prefix_slots=4)
+    target.prefix_cache = False
+    rid, _ = batch.join(prompts[0])  # joined while the cache was off: no features kept for it
+    target.prefix_cache = True
+    batch.remember(rid)  # its keys and values still go in
+    assert [e.token_ids for e in batch._cached.entries] == [prompts[0]] and batch._cached.entries[0].features is None
+    batch.leave(rid)
+    batch = BatchedTarget(target, prefix_slots=4)
+    for rid, _ in batch.join_many(prompts):
+        batch.leave(rid)
+    assert [e.token_ids for e in batch._cached.entries] == [prompts[0]]
     with pytest.raises(ValueError, match="prefix_slots must be >= 0"):
         BatchedTarget(target, prefix_slots=-1)
 

@@ -139,10 +139,13 @@ def test_no_reuse_when_off_or_after_the_taps_change(runtime):
     target.prefix_cache = False
     target.prefill([1, 2, 3, 4])
     target.prefill([1, 2, 3, 4, 5])
-    assert target.reused_tokens == 0
+    target.extend([6])
+    assert target.reused_tokens == 0 and target.features.length == 0  # none kept without the cache
     target.prefix_cache = True
-    target.prefill([1, 2, 3, 4, 5, 6])
-    assert target.reused_tokens == 5
+    target.prefill([1, 2, 3, 4, 5, 6, 7], return_hidden=False)
+    assert target.reused_tokens == 6
+    target.prefill([1, 2, 3, 4, 5, 6])  # no features held for the cached part: computed again
+    assert target.reused_tokens == 0 and target.features.length == 6
     target.set_tapped_layers([1])
     out = target.prefill([1, 2, 3, 4, 5, 6, 7])  # the features held are of other layers
     assert target.reused_tokens == 0
@@ -158,14 +161,20 @@ def test_a_chats_next_turn_decodes_the_same_from_the_cache(tokenizer):
     target = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
     torch.manual_seed(0)
     jf = jetflow.JetFlow(target, DraftHead(DraftHeadConfig.for_target(target, block_size=8)), budget=8)
+    given = []  # the features the drafter gets at each request's start
+    reset, extend = jf.drafter.reset, jf.drafter.extend
+    jf.drafter.reset = lambda: (given.append(None), reset())[1]
+    jf.drafter.extend = lambda f: (given.__setitem__(-1, f) if given[-1] is None else None, extend(f))[1]
     turn1 = [{"role": "user", "content": "Name three rivers."}]
     answer = jf.generate(turn1, max_new_tokens=24)
     turn2 = turn1 + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "Which is longest?"}]
     cached = jf.generate(turn2, max_new_tokens=24)
     assert cached.cached_prompt_tokens > len(jetflow.decoding.prompt.encode_prompt(target.tokenizer, turn1))
-    assert cached.stats["round_kinds"]["drafted"] == cached.stats["rounds"]  # every round drafted, from the features kept
     target.prefix_cache = False
     fresh = jf.generate(turn2, max_new_tokens=24)
+    # the drafter read every prompt position's features, the cached part's included, as a fresh prefill gives them
+    assert given[1].shape == given[2].shape == (cached.prompt_tokens, given[2].shape[1])
+    torch.testing.assert_close(given[1], given[2], atol=ATOL, rtol=0)
     plain = jetflow.generate(target, turn2, max_new_tokens=24)
     target.prefix_cache = True
     assert fresh.cached_prompt_tokens == 0

@@ -149,8 +149,11 @@ class BatchedTarget:
         return self.cache.layers[0].width
 
     @torch.inference_mode()
-    def join(self, prompt_ids: Sequence[int]) -> tuple[int, TargetOutput]:
-        """Prefill a new sequence alone and add it as a row; returns its id and the prefill output."""
+    def join(self, prompt_ids: Sequence[int], remember_prompt: bool = True) -> tuple[int, TargetOutput]:
+        """Prefill a new sequence alone and add it as a row; returns its id and the prefill output.
+        ``remember_prompt``: a prompt the cache serves none of goes into it (of several joining
+        together only the first, as in the llama.cpp batch: a burst of unrelated prompts would
+        otherwise push out the finished conversations)."""
         if self._pending is not None:
             raise RuntimeError("join() between verify() and commit()")
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
@@ -177,9 +180,9 @@ class BatchedTarget:
         if self._caching():
             row.features = CommittedFeatures()
             row.features.add(0, out.hidden)
-            if entry is None:  # the cache serves no part of it: the prompt goes in (a shared system block)
-                self._remember(row.token_ids, [(layer.keys[0], layer.values[0]) for layer in self.target.cache.layers],
-                               out.hidden)
+            if entry is None and remember_prompt:  # the cache serves none of it: the prompt goes in (a system block)
+                self._remember(row.token_ids, [(layer.keys[0].clone(), layer.values[0].clone())
+                                               for layer in self.target.cache.layers], out.hidden)
         self.target.reset()  # the scratch cache is not needed any more
         self._next_id += 1
         self.rows.append(row)
@@ -189,8 +192,8 @@ class BatchedTarget:
         """:meth:`join` for each prompt (prefills run one at a time: rows differ in length)."""
         joined = []
         try:
-            for p in prompts:
-                joined.append(self.join(p))
+            for i, p in enumerate(prompts):
+                joined.append(self.join(p, remember_prompt=i == 0))
         except Exception:
             for row_id, _ in joined:
                 self.leave(row_id)
@@ -205,7 +208,8 @@ class BatchedTarget:
             b, row = self._row(row_id)
             kv = [(layer.kbuf[b, :, :row.length].clone(), layer.vbuf[b, :, :row.length].clone())
                   for layer in self.cache.layers]
-            features = row.features.rows(row.features.length) if row.features.length else None
+            held = row.features  # (None: it joined while the target's cache was off)
+            features = held.rows(held.length) if held is not None and held.length else None
             self._remember(row.token_ids, kv, features)
 
     def _remember(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], features) -> None:

@@ -406,9 +406,9 @@ class LlamaCppTarget(OwnsLlamaContext):
         for bit a fresh prefill's (one-token and chained decodes give the same rows in this build,
         and the kept cells are where a fresh prefill puts them). With ``return_hidden``, only as much
         of the prefix as the features kept of the committed tokens cover (``features``), which are
-        handed back for it: the features of a verify's accepted path, where a fresh prefill's would
-        differ by float rounding (they feed only drafts). Not with flash attention, whose rows depend
-        on how many are decoded together: it turns the cache off."""
+        handed back for it: those of the prefill and the verifies' accepted paths, a fresh prefill's
+        bit for bit too in this build. Not with flash attention, whose rows depend on how many are
+        decoded together: it turns the cache off."""
         ids = np.asarray(torch.as_tensor(prompt_ids).flatten().tolist(), dtype=np.int32)
         if ids.size == 0:
             raise InvalidRequestError("empty prompt: nothing to prefill")
@@ -437,7 +437,8 @@ class LlamaCppTarget(OwnsLlamaContext):
                 out = self._outputs(1, len(chunk), return_hidden)
                 if out.hidden is not None:
                     hidden.append(out.hidden)
-                    self.features.add(self.past_len, out.hidden)
+                    if self.reuses_prefixes:  # (kept only for the cache)
+                        self.features.add(self.past_len, out.hidden)
                 self.past_len += len(chunk)
                 self.token_ids += chunk.tolist()
         except BaseException:  # (an interrupt too) cells and bookkeeping could disagree: start clean
@@ -530,7 +531,7 @@ class LlamaCppTarget(OwnsLlamaContext):
             self._lib.llama_memory_seq_rm(self._mem, 0, self.past_len, -1)
             self._redo = accepted
         self.token_ids += accepted
-        if self._pending_hidden is not None and nodes:
+        if self._pending_hidden is not None and nodes and self.reuses_prefixes:
             self.features.add(self.past_len, self._pending_hidden[nodes])
         self.past_len = keep_end
         self._pending_tokens, self._pending_parents, self._pending_members = [], [], None

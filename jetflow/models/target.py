@@ -232,7 +232,8 @@ class TargetModel:
             for start in range(keep, ids.numel(), self.prefill_chunk):
                 chunk = ids[start : start + self.prefill_chunk]
                 out = self._forward(chunk, parents=None, last_logits_only=True, return_hidden=return_hidden)
-                self.features.add(self.past_len, out.hidden)
+                if self.prefix_cache:  # (kept only for the cache: on a big GPU model they are a fifth of the KV)
+                    self.features.add(self.past_len, out.hidden)
                 self._pending_tokens = chunk.tolist()
                 self._commit_chain(chunk.numel())
                 logits = out.logits
@@ -404,7 +405,7 @@ class TargetModel:
         nodes = check_path(nodes, parents)
         keep = len(nodes)
         self._pending_tokens = [self._pending_tokens[i] for i in nodes]
-        if self._pending_hidden is not None and keep:
+        if self._pending_hidden is not None and keep and self.prefix_cache:
             self.features.add(self.past_len, self._pending_hidden[nodes])
         if nodes != list(range(keep)):
             index = torch.tensor(nodes, device=self.device) + self.past_len
