@@ -13,6 +13,7 @@ import torch
 import jetflow
 from jetflow.errors import InvalidRequestError
 from jetflow.models.loading import llamacpp_available
+from tiny import walk_prefix_cache
 
 pytestmark = pytest.mark.real
 
@@ -170,7 +171,7 @@ def test_prefix_cache_keeps_finished_conversations(llama_target):
     every entry's cells and features equal a fresh prefill of its tokens, and a next turn that
     starts with a cached conversation prefills only its new tokens, with the same rows as alone."""
     from jetflow.decoding.prompt import encode_prompt
-    from jetflow.models.llamacpp_batched import MIN_SHARED, LlamaCppBatchedTarget
+    from jetflow.models.llamacpp_batched import LlamaCppBatchedTarget
 
     t = llama_target
     rng = random.Random(3)
@@ -188,22 +189,11 @@ def test_prefix_cache_keeps_finished_conversations(llama_target):
         batch.leave(sid)
         return tokens
 
-    first = converse(prompts[0], 4)  # the system block is cached with it: the next ones reuse it
-    second = converse(prompts[1], 3)
-    assert [e.token_ids for e in batch._cached.entries] == [first, second]  # the second extended nothing
-    reused = batch.prefix_tokens_reused
-    follow_up = first + [rng.randrange(100, 20000) for _ in range(MIN_SHARED)]
-    sid, out = batch.join(follow_up)  # the first conversation's next turn: only the new tokens are prefilled
-    assert batch.prefix_tokens_reused - reused == len(first)
-    ref = t.prefill(follow_up)
-    assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
-    batch.remember(sid)  # it extends the first conversation's entry, which makes room
-    batch.leave(sid)
-    assert [e.token_ids for e in batch._cached.entries] == [second, follow_up]
-    third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
-    assert [e.token_ids for e in batch._cached.entries] == [follow_up, third]
-    short = converse([rng.randrange(100, 20000) for _ in range(MIN_SHARED - 3)], 1)  # could never be offered:
-    assert len(short) <= MIN_SHARED and [e.token_ids for e in batch._cached.entries] == [follow_up, third]  # evicts none
+    def check_next_turn(follow_up, out):  # bit for bit
+        ref = t.prefill(follow_up)
+        assert torch.equal(out.logits, ref.logits[-1:]) and torch.equal(out.hidden, ref.hidden)
+
+    walk_prefix_cache(batch, converse, prompts, lambda: rng.randrange(100, 20000), check_next_turn)
     for entry in list(batch._cached.entries):  # brute force: each stream holds a fresh prefill's cells and features
         assert torch.equal(entry.hidden, t.prefill(entry.token_ids).hidden)
         sid, out = batch.join(entry.token_ids + [7])

@@ -124,3 +124,33 @@ def lossless_tau(jf, seqs, indices, max_new_tokens: int = 30) -> float:
         assert spec.token_ids == jetflow.generate(jf.target, prompt, max_new_tokens=max_new_tokens).token_ids
         lengths += spec.stats["accept_lengths"]
     return sum(lengths) / len(lengths)
+
+
+def walk_prefix_cache(batch, converse, prompts, new_token, check_next_turn) -> None:
+    """The batching prefix cache's choices, the same on both backends (a cache of two entries):
+    conversations go in as they finish, a next turn that starts with a cached conversation prefills
+    only its new tokens (``check_next_turn(tokens, out)`` compares its rows with a fresh prefill's)
+    and replaces the entry it extends, the least recently used entry goes when the cache is full,
+    and a prompt too short ever to be offered evicts nothing. ``converse(prompt, steps)`` joins,
+    commits ``steps`` rounds, remembers and leaves, returning the tokens; ``new_token()`` draws one."""
+    from jetflow.models.prefix_cache import MIN_SHARED
+
+    def held():
+        return [e.token_ids for e in batch._cached.entries]
+
+    first = converse(prompts[0], 4)  # the system block is cached with it: the next ones reuse it
+    second = converse(prompts[1], 3)
+    assert held() == [first, second]  # the second extended nothing
+    assert batch.prefix_tokens_reused > MIN_SHARED  # the second prompt's system block
+    reused = batch.prefix_tokens_reused
+    follow_up = first + [new_token() for _ in range(MIN_SHARED)]
+    sid, out = batch.join(follow_up)  # the first conversation's next turn: only the new tokens are prefilled
+    assert batch.prefix_tokens_reused - reused == len(first) == batch.cached_prompt_tokens(sid)
+    check_next_turn(follow_up, out)
+    batch.remember(sid)  # it extends the first conversation's entry, which makes room
+    batch.leave(sid)
+    assert held() == [second, follow_up]
+    third = converse(prompts[2], 2)  # the cache is full: the least recently used (second) goes
+    assert held() == [follow_up, third]
+    short = converse([new_token() for _ in range(MIN_SHARED - 3)], 1)  # could never be offered:
+    assert len(short) <= MIN_SHARED and held() == [follow_up, third]  # evicts none
