@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from jetflow.errors import JetFlowError
+from jetflow.errors import InvalidRequestError, JetFlowError
 
 
 def _refine_mode(value: str) -> int | str:
@@ -174,6 +174,29 @@ def _add_auto_state_arg(p: argparse.ArgumentParser, note: str = "") -> None:
                         f"nothing{note}")
 
 
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """What generate and chat decode with: length, sampling, stops, the drafter and its trees."""
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable); \\n, \\t, \\r and \\\\ are escapes")
+    p.add_argument("--drafter", default="auto",
+                   help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
+                        "the drafter shipped for the target if there is one, else none")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="draft tree nodes per round, root not counted, or 'auto': chosen every round from the "
+                        "machine's cost curve and the acceptance so far (default: auto on the CPU, where a verify's "
+                        "cost grows with its tokens; 16 on a GPU)")
+    p.add_argument("--width", type=_positive_int, default=7,
+                   help="top-w candidates per depth (1 = chain; default: %(default)s)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
+    _add_draft_weights_arg(p)
+    _add_auto_state_arg(p)
+
+
 def _int8_draft(args) -> bool | None:
     return {"auto": None, "float": False, "int8": True}[args.draft_weights]
 
@@ -266,24 +289,20 @@ def cmd_generate(args) -> int:
     from jetflow.decoding.sampling import SamplingParams
 
     # Fail on bad input before spending seconds on loading a model.
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    args.stop = [_unescape(s) for s in args.stop or ()]
-    if any(not s for s in args.stop):
-        raise JetFlowError("--stop strings must be non-empty")
+    request = _request_args(args)
     if args.prompt == "-":  # as a text file holds it: a BOM, Windows line ends and the last line end are not prompt
         text = sys.stdin.read().removeprefix("\ufeff").replace("\r\n", "\n")
         args.prompt = text[:-1] if text.endswith("\n") else text
     if not args.prompt.strip():
         raise JetFlowError("empty prompt")
     reference = args.check_lossless or args.compare
-    seed = args.seed
+    seed = request.pop("seed")
     if reference and seed is None and not SamplingParams(args.temperature).greedy:
         # Sampling is lossless in distribution: both runs must draw from the same seeded generator.
         seed = secrets.randbits(63)
         print(f"[sampling with seed {seed} in both runs]", file=sys.stderr)
     jf = _load_jetflow(args)
-    request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=seed, stop=args.stop or (), chat=args.chat)
+    request.update(seed=seed, chat=args.chat)
     result, reference = generate_with_reference(jf, args.prompt, reference=reference,
                                                 on_delta=None if args.json else _write_delta, **request)
     lossless = None if reference is None else reference.token_ids == result.token_ids
@@ -311,6 +330,67 @@ def cmd_generate(args) -> int:
         return 1
     if lossless:
         print("[lossless check passed: identical to autoregressive decoding]", file=sys.stderr)
+    return 0
+
+
+def _request_args(args) -> dict:
+    """The request options of generate and chat, checked before a model loads."""
+    from jetflow.decoding.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    stop = [_unescape(s) for s in args.stop or ()]
+    if any(not s for s in stop):
+        raise JetFlowError("--stop strings must be non-empty")
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop=stop or ())
+
+
+def cmd_chat(args) -> int:
+    """A conversation in the terminal: every line read is a user turn, answered with the whole
+    conversation so far as the prompt (whose shared prefix the next turn takes from the cache)."""
+    request = _request_args(args)
+    jf = _load_jetflow(args)
+    if not getattr(jf.target.tokenizer, "chat_template", None):
+        raise JetFlowError(f"jetflow chat needs a model with a chat template; {jf.target.name} has none "
+                           "(use jetflow generate --no-chat)")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("[a line is a turn; /reset starts a new conversation, /exit or Ctrl-D ends]", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.removeprefix("\ufeff").rstrip("\r\n")
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            history = list(start)
+            print("[a new conversation]", file=sys.stderr)
+            continue
+        messages = history + [{"role": "user", "content": text}]
+        try:
+            result = None
+            for event in jf.stream(messages, chat=True, **request):
+                if isinstance(event, str):
+                    _write_delta(event)
+                else:
+                    result = event
+        except InvalidRequestError as e:  # e.g. the conversation outgrew the context: it stays as it was
+            print(f"\n[turn not answered: {e}; /reset starts a new conversation]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history = messages + [{"role": "assistant", "content": result.text}]
+        tau = f", tau {result.stats['tau']:.2f}" if "tau" in result.stats else ""
+        print(f"[{result.new_tokens} tokens, {result.tokens_per_s:.1f} tok/s{tau}; {result.prompt_tokens} prompt tokens, "
+              f"{result.cached_prompt_tokens} from the cache, first token after {result.prefill_seconds:.2f} s; "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -632,31 +712,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default when the model has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false", help="encode the prompt as raw text")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable); \\n, \\t, \\r and \\\\ are escapes")
-    g.add_argument("--drafter", default="auto",
-                   help="draft head checkpoint dir; 'none' for plain autoregressive decoding; 'auto' (default): "
-                        "the drafter shipped for the target if there is one, else none")
-    g.add_argument("--budget", type=_budget, default=None,
-                   help="draft tree nodes per round, root not counted, or 'auto': chosen every round from the "
-                        "machine's cost curve and the acceptance so far (default: auto on the CPU, where a verify's "
-                        "cost grows with its tokens; 16 on a GPU)")
-    g.add_argument("--width", type=_positive_int, default=7,
-                   help="top-w candidates per depth (1 = chain; default: %(default)s)")
-    g.add_argument("--no-lookup", action="store_true",
-                   help="draft from the head alone (default: prompt-lookup candidates join the head's tree)")
-    _add_draft_weights_arg(g)
-    _add_auto_state_arg(g)
+    _add_decoding_args(g)
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode autoregressively and exit 1 if the outputs differ")
     g.add_argument("--compare", action="store_true",
                    help="also decode autoregressively and print both speeds side by side (exit 1 if texts differ)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="a conversation in the terminal (or from piped lines): each line is a turn, "
+                                    "and the next turn starts from the cache")
+    _add_target_args(c)
+    c.add_argument("--system", default=None, help="a system message opening the conversation")
+    _add_decoding_args(c)
+    c.set_defaults(func=cmd_chat)
 
     r = sub.add_parser("regenerate", help="answer training prompts with the target itself (sharded, resumable)")
     _add_target_args(r)

@@ -601,3 +601,26 @@ def test_json_reports_are_staged_in_files_of_their_own(tmp_path):
     with pytest.raises(OSError):
         write_json_atomic(tmp_path / "d.json", {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json", "rep.json", "rep.tmp"]
+
+
+def test_chat_keeps_the_conversation_and_takes_it_from_the_cache(tiny_dir, capsys, monkeypatch):
+    """Each line is a turn answered with the conversation so far; the next turn's prompt comes from the
+    cache but for its new part; /reset starts again, /exit ends (what follows is not read)."""
+    import io
+    import re
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\n  \nand then?\r\n/reset\nhello\n/exit\nnever read\n"))
+    args = ["--target", str(tiny_dir), "--max-new-tokens", "6", "--system", "Be brief."]
+    assert main(["chat", *args]) == 0
+    out, err = capsys.readouterr()
+    turns = [tuple(map(int, m)) for m in re.findall(r"; (\d+) prompt tokens, (\d+) from the cache", err)]
+    assert len(turns) == 3 and len(out.splitlines()) == 3 and "[a new conversation]" in err
+    (p1, c1), (p2, c2), (p3, c3) = turns
+    assert c1 == 0 and p2 > p1 and c2 >= p1  # turn 2 repeats turn 1 (and its answer) from the cache
+    assert p3 == p1 and c3 == p1 - 1  # after /reset the first prompt again: all but its last token cached
+    first = out.splitlines()[0]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == first  # greedy: the same first answer
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", *args, "--temperature", "-1"]) == 2 and "temperature" in capsys.readouterr().err
