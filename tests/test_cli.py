@@ -624,3 +624,16 @@ def test_chat_keeps_the_conversation_and_takes_it_from_the_cache(tiny_dir, capsy
     assert capsys.readouterr().out.splitlines()[0] == first  # greedy: the same first answer
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", *args, "--temperature", "-1"]) == 2 and "temperature" in capsys.readouterr().err
+
+
+def test_chat_skips_a_turn_that_does_not_fit_and_goes_on(tiny_dir, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("x" * 600 + "\nhello\n"))  # the tiny model holds 512 positions
+    assert main(["chat", "--target", str(tiny_dir), "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "turn not answered" in err and "context" in err and err.count("from the cache") == 1
+    import re
+
+    prompt_tokens = int(re.search(r"; (\d+) prompt tokens", err).group(1))
+    assert out.strip() and prompt_tokens < 100  # the next line was answered, without the skipped turn
