@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "JetFlow": "jetflow.pipeline",
+    "Conversation": "jetflow.decoding.conversation",
     "TargetModel": "jetflow.models.target",
     "LlamaCppTarget": "jetflow.models.llamacpp_target",
     "load_target": "jetflow.models.loading",

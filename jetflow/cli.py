@@ -345,6 +345,10 @@ def _request_args(args) -> dict:
                 top_p=args.top_p, seed=args.seed, stop=stop or ())
 
 
+CHAT_HELP = ("a line is a turn; /reset starts a new conversation, /exit or Ctrl-D ends; "
+             "start a line with // to send one that starts with /")
+
+
 def cmd_chat(args) -> int:
     """A conversation in the terminal: every line read is a user turn, answered with the whole
     conversation so far as the prompt (whose shared prefix the next turn takes from the cache)."""
@@ -353,11 +357,12 @@ def cmd_chat(args) -> int:
     if not getattr(jf.target.tokenizer, "chat_template", None):
         raise JetFlowError(f"jetflow chat needs a model with a chat template; {jf.target.name} has none "
                            "(use jetflow generate --no-chat)")
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(start)
+    from jetflow.decoding.conversation import Conversation
+
+    conversation = Conversation(jf.target.tokenizer, system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("[a line is a turn; /reset starts a new conversation, /exit or Ctrl-D ends]", file=sys.stderr)
+        print(f"[{CHAT_HELP}]", file=sys.stderr)
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
@@ -365,19 +370,23 @@ def cmd_chat(args) -> int:
         if not line:
             break
         text = line.removeprefix("\ufeff").rstrip("\r\n")
-        command = text.strip()
+        command = text.strip().lower()
         if not command:
             continue
         if command in ("/exit", "/quit"):
             break
         if command == "/reset":
-            history = list(start)
+            conversation.reset()
             print("[a new conversation]", file=sys.stderr)
             continue
-        messages = history + [{"role": "user", "content": text}]
+        if command.startswith("/") and not command.startswith("//") and len(command.split()) == 1:
+            print(f"[{CHAT_HELP}]", file=sys.stderr)  # /help, or a command that does not exist
+            continue
+        if text.lstrip().startswith("//"):  # a turn that starts with '/'
+            text = text.replace("//", "/", 1)
         try:
             result = None
-            for event in jf.stream(messages, chat=True, **request):
+            for event in jf.stream(conversation.prompt(text), **request):
                 if isinstance(event, str):
                     _write_delta(event)
                 else:
@@ -386,9 +395,10 @@ def cmd_chat(args) -> int:
             print(f"\n[turn not answered: {e}; /reset starts a new conversation]", file=sys.stderr)
             continue
         sys.stdout.write("\n")
-        history = messages + [{"role": "assistant", "content": result.text}]
-        tau = f", tau {result.stats['tau']:.2f}" if "tau" in result.stats else ""
-        print(f"[{result.new_tokens} tokens, {result.tokens_per_s:.1f} tok/s{tau}; {result.prompt_tokens} prompt tokens, "
+        conversation.add_answer(result)
+        tau = f", tau {result.stats['tau']:.2f}" if result.stats.get("rounds") else ""  # (none without a round)
+        tokens = f"{result.new_tokens} token{'s' if result.new_tokens != 1 else ''}"
+        print(f"[{tokens}, {result.tokens_per_s:.1f} tok/s{tau}; {result.prompt_tokens} prompt tokens, "
               f"{result.cached_prompt_tokens} from the cache, first token after {result.prefill_seconds:.2f} s; "
               f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0

@@ -613,10 +613,12 @@ def test_chat_keeps_the_conversation_and_takes_it_from_the_cache(tiny_dir, capsy
     args = ["--target", str(tiny_dir), "--max-new-tokens", "6", "--system", "Be brief."]
     assert main(["chat", *args]) == 0
     out, err = capsys.readouterr()
-    turns = [tuple(map(int, m)) for m in re.findall(r"; (\d+) prompt tokens, (\d+) from the cache", err)]
+    turns = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) tokens?, .*; (\d+) prompt tokens, (\d+) from the cache", err)]
     assert len(turns) == 3 and len(out.splitlines()) == 3 and "[a new conversation]" in err
-    (p1, c1), (p2, c2), (p3, c3) = turns
-    assert c1 == 0 and p2 > p1 and c2 >= p1  # turn 2 repeats turn 1 (and its answer) from the cache
+    (n1, p1, c1), (_, p2, c2), (_, p3, c3) = turns
+    # turn 2 repeats turn 1 from the cache, its answer in the model's own tokens: all the target committed
+    # (the last token it generated is never committed)
+    assert c1 == 0 and p2 > p1 and c2 == p1 + n1 - 1
     assert p3 == p1 and c3 == p1 - 1  # after /reset the first prompt again: all but its last token cached
     first = out.splitlines()[0]
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
@@ -637,3 +639,13 @@ def test_chat_skips_a_turn_that_does_not_fit_and_goes_on(tiny_dir, capsys, monke
 
     prompt_tokens = int(re.search(r"; (\d+) prompt tokens", err).group(1))
     assert out.strip() and prompt_tokens < 100  # the next line was answered, without the skipped turn
+
+
+def test_chat_commands_are_not_sent_as_turns(tiny_dir, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("/help\n/RESET\n/nonsense\n//slash at the start\n/EXIT\nnot read\n"))
+    assert main(["chat", "--target", str(tiny_dir), "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("start a line with //") == 2 and "[a new conversation]" in err  # /help and /nonsense
+    assert err.count("prompt tokens") == 1 and "[1 token, " in err and "tau" not in err  # one turn, no draft rounds

@@ -179,3 +179,35 @@ def test_a_chats_next_turn_decodes_the_same_from_the_cache(tokenizer):
     target.prefix_cache = True
     assert fresh.cached_prompt_tokens == 0
     assert cached.token_ids == fresh.token_ids == plain.token_ids
+
+
+def test_a_conversation_keeps_the_models_own_tokens(tokenizer):
+    """Each next prompt is the previous prompt, the answer's own tokens and the encoded rest of the
+    template: it decodes to the conversation's rendered text, and extends what the target committed
+    token for token even where the text would encode otherwise (here: answers whose bytes are not
+    valid UTF-8, so their text does not encode back to them)."""
+    from jetflow.decoding.conversation import Conversation
+
+    target = TargetModel(tiny_model("llama"), tokenizer, name="tiny", tapped_layers=[0, 2])
+    jf = jetflow.JetFlow(target, None)
+    conversation = Conversation(tokenizer, system="Be brief.")
+    plain_differs = False
+    for turn in ("Name three rivers.", "Which is longest?", "And the shortest?"):
+        ids = conversation.prompt(turn)
+        rendered = tokenizer.apply_chat_template(conversation.messages + [{"role": "user", "content": turn}],
+                                                 tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(ids) == rendered
+        plain = jetflow.decoding.prompt.encode_prompt(tokenizer, conversation.messages + [{"role": "user", "content": turn}])
+        plain_differs |= ids != plain
+        held = list(target.token_ids)
+        result = jf.generate(ids, max_new_tokens=12)
+        if held:  # all the target committed last turn is the start of this prompt
+            assert ids[:len(held)] == held and result.cached_prompt_tokens == len(held)
+        conversation.add_answer(result)
+    assert plain_differs  # the case the class is for did occur
+    conversation.reset()
+    assert conversation.messages == [{"role": "system", "content": "Be brief."}]
+    assert conversation.prompt("hi") == jetflow.decoding.prompt.encode_prompt(tokenizer, conversation.messages + [
+        {"role": "user", "content": "hi"}])
+    with pytest.raises(RuntimeError, match="without a prompt"):
+        Conversation(tokenizer).add_answer(result)

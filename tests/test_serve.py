@@ -98,6 +98,7 @@ def test_models_chat_and_completions(client):
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 12
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 12
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # the server's first request: the warm-up left nothing
     stats = chat.model_extra["jetflow"]
     assert stats["rounds"] >= 1 and stats["tau"] >= 1 and stats["budget"] == 8
     parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
@@ -105,6 +106,8 @@ def test_models_chat_and_completions(client):
     text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
     assert text == chat.choices[0].message.content  # stream == non-stream under greedy
     assert parts[-1].usage.completion_tokens == 12 and parts[-2].choices[0].finish_reason == "length"
+    # the same prompt again: all of it from the cache but its last token, whose logits are needed
+    assert parts[-1].usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
     comp = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10, temperature=0)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="Once upon", max_tokens=10, temperature=0, stream=True))

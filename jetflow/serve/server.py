@@ -34,6 +34,7 @@ def _prepare(jf: JetFlow) -> None:
               file=sys.stderr)
         jf.adaptive_budget()
     jf.generate("warm-up", max_new_tokens=4)
+    jf.target.reset()  # the first client's prompt takes nothing from the warm-up's cache
 
 
 def start_engine(load: Callable[[], JetFlow], **engine_kw) -> tuple[JetFlow, Engine]:
