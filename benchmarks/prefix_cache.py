@@ -8,10 +8,10 @@ previous request, like one chat client of a single-stream server or the Python A
 * ``auto, cache`` / ``auto, no cache``: JetFlow's default decoder (shipped drafter, ``--budget
   auto``, prompt lookup), the same way; with the cache, a request that reads the target's features
   takes those kept for the cached prefix;
-* ``auto, cache, own tokens`` / ``auto, no cache, own tokens``: the same with prompts from a
-  :class:`jetflow.Conversation`, which keeps the answers' own tokens instead of encoding their text
-  again (what ``jetflow chat`` sends); their outputs are compared with each other, since their
-  prompts' tokens may differ from the messages' encoding;
+* ``auto, cache, own tokens`` / ``auto, no cache, own tokens`` / ``ar, no cache, own tokens``: the
+  same with prompts from a :class:`jetflow.Conversation`, which keeps the answers' own tokens instead
+  of encoding their text again (what ``jetflow chat`` sends); their outputs are compared with the
+  plain loop's on those prompts, since their tokens may differ from the messages' encoding;
 * llama.cpp only, ``llama-cpp-python, reuse`` / ``llama-cpp-python, reset``: ``Llama.generate``
   keeping the prefix it shares with its previous call (its default) / the cache cleared first (what
   ``jetflow bench``'s ``llama-ar`` does, so that every method prefills every prompt in full).
@@ -61,7 +61,9 @@ def main() -> int:
             if own_tokens:  # the conversation's turns so far are this arm's own (a new one starts at turn 1)
                 if len(messages) == 1:
                     conversation.reset()
-                result = decoder.generate(conversation.prompt(messages[-1]["content"]), max_new_tokens=max_new_tokens)
+                ids = conversation.prompt(messages[-1]["content"])
+                result = (jetflow.generate(target, ids, max_new_tokens=max_new_tokens) if decoder is None
+                          else decoder.generate(ids, max_new_tokens=max_new_tokens))
                 conversation.add_answer(result)
                 return result
             if decoder is None:
@@ -76,7 +78,8 @@ def main() -> int:
     arms = {"ar, cache": jetflow_arm(True, "none"), "ar, no cache": jetflow_arm(False, "none"),
             "auto, cache": jetflow_arm(True, "auto"), "auto, no cache": jetflow_arm(False, "auto"),
             "auto, cache, own tokens": jetflow_arm(True, "auto", own_tokens=True),
-            "auto, no cache, own tokens": jetflow_arm(False, "auto", own_tokens=True)}
+            "auto, no cache, own tokens": jetflow_arm(False, "auto", own_tokens=True),
+            "ar, no cache, own tokens": jetflow_arm(False, "none", own_tokens=True)}
     reference = arms["ar, cache"][0]
     for reuse in (True, False) if args.backend == "llamacpp" else ():
         llm = open_llama(reference.gguf, n_ctx=reference.max_context, n_threads=args.threads)
@@ -91,6 +94,8 @@ def main() -> int:
     totals = {name: collections.defaultdict(float) for name in names}
     outputs = {name: [] for name in names}
     conversations = load_eval_set(args.dataset, args.limit)
+    if any(c.history or not c.chat for c in conversations):  # (the own-tokens arms start each from its first turn)
+        raise SystemExit(f"{args.dataset}: prompts with a fixed history, or not chat, are not supported here")
     for c, prompt in enumerate(conversations):
         order = names[c % len(names):] + names[:c % len(names)]
         for name in order:
@@ -110,13 +115,13 @@ def main() -> int:
                 row["tokens"] += result.new_tokens
                 row["seconds"] += seconds
         print(f"{c + 1}/{len(conversations)} conversations", flush=True)
-    same = {name: outputs[name] == outputs["auto, no cache, own tokens" if "own tokens" in name else "ar, no cache"]
+    same = {name: outputs[name] == outputs["ar, no cache, own tokens" if "own tokens" in name else "ar, no cache"]
             for name in names}
     out = {"command": ["benchmarks/prefix_cache.py", *__import__("sys").argv[1:]], "machine": machine(),
            "backend": args.backend, "dataset": args.dataset,
            "conversations": len(conversations), "max_new_tokens": args.max_new_tokens,
            "arms": {name: dict(row) for name, row in totals.items()},
-           "identical": same, "identical_to": {name: "auto, no cache, own tokens" if "own tokens" in name
+           "identical": same, "identical_to": {name: "ar, no cache, own tokens" if "own tokens" in name
                                                else "ar, no cache" for name in names}}
     for name, row in totals.items():
         print(f"{name:28s} turn 1 {row['turn1_s']:6.2f} s, turn 2 {row['turn2_s']:6.2f} s "

@@ -360,6 +360,8 @@ def cmd_chat(args) -> int:
     from jetflow.decoding.conversation import Conversation
 
     conversation = Conversation(jf.target.tokenizer, system=args.system)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not text become U+FFFD rather than end the chat
+        sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"[{CHAT_HELP}]", file=sys.stderr)
@@ -392,9 +394,15 @@ def cmd_chat(args) -> int:
                 else:
                     result = event
         except InvalidRequestError as e:  # e.g. the conversation outgrew the context: it stays as it was
-            print(f"\n[turn not answered: {e}; /reset starts a new conversation]", file=sys.stderr)
+            hint = "; /reset starts a new conversation" if "context" in str(e) else ""
+            print(f"\n[turn not answered: {e}{hint}]", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the chat (a second one at the prompt ends it)
+            jf.target.reset()  # (the interrupt may have come between a forward and its bookkeeping)
+            print("\n[turn interrupted: not part of the conversation]", file=sys.stderr)
             continue
         sys.stdout.write("\n")
+        assert result is not None  # a stream ends with its result
         conversation.add_answer(result)
         tau = f", tau {result.stats['tau']:.2f}" if result.stats.get("rounds") else ""  # (none without a round)
         tokens = f"{result.new_tokens} token{'s' if result.new_tokens != 1 else ''}"

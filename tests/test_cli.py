@@ -641,11 +641,46 @@ def test_chat_skips_a_turn_that_does_not_fit_and_goes_on(tiny_dir, capsys, monke
     assert out.strip() and prompt_tokens < 100  # the next line was answered, without the skipped turn
 
 
-def test_chat_commands_are_not_sent_as_turns(tiny_dir, capsys, monkeypatch):
+def test_chat_commands_are_not_sent_as_turns(tiny_dir, tmp_path, capsys, monkeypatch):
     import io
 
+    from jetflow.models.draft_head import DraftHead, DraftHeadConfig
+    from jetflow.models.target import TargetModel
+
+    head = tmp_path / "head"
+    DraftHead(DraftHeadConfig.for_target(TargetModel.load(str(tiny_dir)), block_size=4)).save_pretrained(head)
+    args = ["chat", "--target", str(tiny_dir), "--drafter", str(head), "--budget", "4"]
     monkeypatch.setattr("sys.stdin", io.StringIO("/help\n/RESET\n/nonsense\n//slash at the start\n/EXIT\nnot read\n"))
-    assert main(["chat", "--target", str(tiny_dir), "--max-new-tokens", "1"]) == 0
+    assert main([*args, "--max-new-tokens", "1"]) == 0
     err = capsys.readouterr().err
     assert err.count("start a line with //") == 2 and "[a new conversation]" in err  # /help and /nonsense
-    assert err.count("prompt tokens") == 1 and "[1 token, " in err and "tau" not in err  # one turn, no draft rounds
+    assert err.count("prompt tokens") == 1 and "[1 token, " in err and "tau" not in err  # one turn, no draft round
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main([*args, "--max-new-tokens", "5"]) == 0
+    assert ", tau " in capsys.readouterr().err  # with rounds
+
+
+def test_chat_goes_on_after_an_interrupted_answer_and_bytes_that_are_not_text(tiny_dir, capsys, monkeypatch):
+    import io
+
+    from jetflow.pipeline import JetFlow
+
+    stream, calls = JetFlow.stream, []
+
+    def interrupted_once(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return stream(self, *a, **kw)
+
+    monkeypatch.setattr(JetFlow, "stream", interrupted_once)
+    stdin = io.TextIOWrapper(io.BytesIO(b"first\n\xff\xfe bytes\nsecond\n"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["chat", "--target", str(tiny_dir), "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "[turn interrupted" in err and err.count("prompt tokens") == 2  # the two turns after it
+    # the interrupted turn left nothing in the cache and is not in the conversation; the next turns are
+    import re
+
+    (p1, c1), (p2, c2) = [tuple(map(int, m)) for m in re.findall(r"; (\d+) prompt tokens, (\d+) from the cache", err)]
+    assert c1 == 0 and c2 > 0 and p1 < 40 < p2

@@ -211,3 +211,24 @@ def test_a_conversation_keeps_the_models_own_tokens(tokenizer):
         {"role": "user", "content": "hi"}])
     with pytest.raises(RuntimeError, match="without a prompt"):
         Conversation(tokenizer).add_answer(result)
+
+
+def test_a_conversation_encodes_again_where_tokens_and_text_disagree(tokenizer):
+    """An answer whose tokens do not decode to its text (a stop string cut it inside its tokens)
+    leaves the next prompt to the plain encoding of the messages; a stop token at its end is dropped
+    (the template writes its own end of turn)."""
+    from types import SimpleNamespace
+
+    from jetflow.decoding.conversation import Conversation
+    from jetflow.decoding.prompt import encode_prompt
+
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for token_ids, text, spliced in ((ids("abcd"), "ab", False), (ids("ab") + [257], "ab", True), (ids("ab"), "ab", True)):
+        conversation = Conversation(tokenizer)
+        first = conversation.prompt("hi")
+        conversation.add_answer(SimpleNamespace(token_ids=token_ids, text=text))
+        nxt = conversation.prompt("more")
+        assert nxt == encode_prompt(tokenizer, conversation.messages + [{"role": "user", "content": "more"}])
+        assert (conversation._last is not None) == spliced  # spliced from the answer's tokens, or encoded whole
+        if spliced:
+            assert nxt[:len(first) + 2] == first + ids("ab")

@@ -7,7 +7,9 @@ prefilled again. A :class:`Conversation` builds each next prompt as the previous
 own tokens and the encoded rest of the template (the end of the answer, the new user turn, the
 assistant's opening), so it extends what the target committed token for token. It falls back to
 encoding the whole conversation where the template does not render the answer's text verbatim after
-the previous prompt, or the answer's tokens do not decode to its text (a stop string cut it).
+the previous prompt, the answer's tokens do not decode to its text (a stop string cut it), or the
+spliced prompt does not decode to the conversation's text (tokenizers that add a space when a piece
+is encoded on its own, as SentencePiece does).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class Conversation:
             before, before_ids = self._last
             if rendered.startswith(before):
                 tail = rendered[len(before):]
-                ids = before_ids + list(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
+                spliced = before_ids + list(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
+                if self.tokenizer.decode(spliced) == rendered:
+                    ids = spliced
         self._asked = (messages, rendered, ids)
         return ids
 
