@@ -354,11 +354,12 @@ def cmd_chat(args) -> int:
     conversation so far as the prompt (whose shared prefix the next turn takes from the cache)."""
     request = _request_args(args)
     jf = _load_jetflow(args)
-    if not getattr(jf.target.tokenizer, "chat_template", None):
+    from jetflow.decoding.conversation import Conversation
+    from jetflow.decoding.prompt import has_chat_template
+
+    if not has_chat_template(jf.target.tokenizer):
         raise JetFlowError(f"jetflow chat needs a model with a chat template; {jf.target.name} has none "
                            "(use jetflow generate --no-chat)")
-    from jetflow.decoding.conversation import Conversation
-
     conversation = Conversation(jf.target.tokenizer, system=args.system)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not text become U+FFFD rather than end the chat
         sys.stdin.reconfigure(errors="replace")

@@ -14,7 +14,7 @@ is encoded on its own, as SentencePiece does).
 
 from __future__ import annotations
 
-from jetflow.decoding.prompt import encode_prompt
+from jetflow.decoding.prompt import check_unicode, encode_prompt
 from jetflow.decoding.result import GenerationResult
 
 
@@ -35,18 +35,21 @@ class Conversation:
 
     def prompt(self, text: str) -> list[int]:
         """The token ids of the next turn's prompt, the user saying ``text``."""
+        check_unicode(text, "the message")
         messages = self.messages + [{"role": "user", "content": text}]
-        ids = encode_prompt(self.tokenizer, messages, chat=True)  # (also checks the messages)
         rendered = self._render(messages)
-        if self._last is not None:
-            before, before_ids = self._last
-            if rendered.startswith(before):
-                tail = rendered[len(before):]
-                spliced = before_ids + list(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
-                if self.tokenizer.decode(spliced) == rendered:
-                    ids = spliced
+        ids = self._spliced(rendered) or encode_prompt(self.tokenizer, messages, chat=True)
         self._asked = (messages, rendered, ids)
         return ids
+
+    def _spliced(self, rendered: str) -> list[int] | None:
+        """The previous prompt's and answer's ids and the rest of ``rendered`` encoded, when that
+        decodes to ``rendered``; else None."""
+        if self._last is None or not rendered.startswith(self._last[0]):
+            return None
+        before, before_ids = self._last
+        spliced = before_ids + list(self.tokenizer(rendered[len(before):], add_special_tokens=False)["input_ids"])
+        return spliced if self.tokenizer.decode(spliced) == rendered else None
 
     def add_answer(self, result: GenerationResult) -> None:
         """The answer to the latest :meth:`prompt`; a turn that got none (an error) leaves the

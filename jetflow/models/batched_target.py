@@ -91,7 +91,6 @@ class _Cached:
     features: torch.Tensor | None
 
 
-
 def batched_target(target, max_seqs: int = 32, prefix_slots: int | None = None):
     """The many-sequence view of ``target`` for its backend; ``prefix_slots``: entries of its prefix
     cache (None: the default)."""

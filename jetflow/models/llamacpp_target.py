@@ -346,8 +346,7 @@ class LlamaCppTarget(OwnsLlamaContext):
                 self._ext["set_layer_inp"](self._ctx, lid, lid in wanted)
         self._taps_enabled = wanted
         self.tapped_layers = taps
-        if hasattr(self, "features"):
-            self.features.clear()  # other layers' features
+        self.features.clear()  # other layers' features
 
     def _compute_taps(self, on: bool) -> None:
         """Have the next decodes copy out the tapped layer inputs, or not. They cost ~0.7 ms of a
@@ -531,7 +530,7 @@ class LlamaCppTarget(OwnsLlamaContext):
             self._lib.llama_memory_seq_rm(self._mem, 0, self.past_len, -1)
             self._redo = accepted
         self.token_ids += accepted
-        if self._pending_hidden is not None and nodes and self.reuses_prefixes:
+        if self._pending_hidden is not None and nodes and self.reuses_prefixes and self.features.follows(self.past_len):
             self.features.add(self.past_len, self._pending_hidden[nodes])
         self.past_len = keep_end
         self._pending_tokens, self._pending_parents, self._pending_members = [], [], None

@@ -36,10 +36,15 @@ class CommittedFeatures:
         self._chunks: list[torch.Tensor] = []
         self.length = 0
 
+    def follows(self, start: int) -> bool:
+        """Whether rows for the committed tokens from position ``start`` on would be kept (a commit
+        checks before it gathers an accepted path's rows)."""
+        return start == self.length
+
     def add(self, start: int, rows: torch.Tensor | None) -> None:
         """The features of the committed tokens from position ``start`` on (ignored unless they follow
         the rows held, and for None: a commit without features)."""
-        if rows is not None and start == self.length and rows.shape[0]:
+        if rows is not None and self.follows(start) and rows.shape[0]:
             self._chunks.append(rows)
             self.length += rows.shape[0]
 

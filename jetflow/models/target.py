@@ -405,7 +405,7 @@ class TargetModel:
         nodes = check_path(nodes, parents)
         keep = len(nodes)
         self._pending_tokens = [self._pending_tokens[i] for i in nodes]
-        if self._pending_hidden is not None and keep and self.prefix_cache:
+        if self._pending_hidden is not None and keep and self.prefix_cache and self.features.follows(self.past_len):
             self.features.add(self.past_len, self._pending_hidden[nodes])
         if nodes != list(range(keep)):
             index = torch.tensor(nodes, device=self.device) + self.past_len
