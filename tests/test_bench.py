@@ -112,7 +112,12 @@ def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
 
     target = TargetModel.load(str(tiny_dir))
     drafter = BlockDrafter(DraftHead.from_pretrained(heads["causal"], target=target), target)
+    rows, real_extend = [], drafter.extend
+    drafter.extend = lambda features: rows.append(features.shape[0]) or real_extend(features)
     costs = measure_costs(target, [4, 16], drafter, context=32, reps=2)
+    # Each draft, as in decoding, first projects the features of the two tokens the verify before it
+    # committed (warm-up included), after the prompt's.
+    assert rows == [32] + [2] * 2 * 3 and drafter.context_len == 32 + 2 * 2 * 3
     assert costs["c1_ms"] > 0 and set(costs["verify_ms"]) == {4, 16} and set(costs["draft_ms"]) == {4, 16}
     assert costs["verify_ratio"][4] == pytest.approx(costs["verify_ms"][4] / costs["c1_ms"])
     assert target.past_len == 0

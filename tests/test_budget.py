@@ -614,3 +614,76 @@ def test_a_llamacpp_cost_curve_is_measured_again_on_another_build(tiny_dir, monk
     build = {"cpu_library": "bbbb", "quant_dot_columns": 2}
     costs_mod.cached_costs(target, drafter, tmp_path)
     assert len(runs) == 2 and len(list(tmp_path.glob("costs-*.json"))) == 2
+
+
+def test_measured_draft_times_rescale_the_cached_draft_curve():
+    """Drafts timed at twice the cached curve price every size at twice the curve (a running mean
+    over 20, as for verifies), so the choice and the rate of drafting follow the measured drafts."""
+    ab = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
+    t = hand_tree()
+    assert ab.draft_cost(4) == pytest.approx(2.0)
+    ab.choose(t)
+    cheap_rate = ab.draft_rate
+    for _ in range(40):
+        ab.observe(t, [0, 1], draft_ms=4.0, drafted_nodes=16)
+    assert ab.draft_cost(1) == pytest.approx(4.0) and ab.draft_cost(256) == pytest.approx(4.0)
+    expected = ab.expected_tokens(t)
+    cost = [4.0 * (n > 0) + ab.verify_cost(n) + (ab.overhead_ms if n else ab.plain_overhead_ms) for n in range(4)]
+    assert ab.choose(t) == max(range(1, 4), key=lambda n: expected[n] / cost[n])
+    ab.draft_rate = None
+    ab.choose(t)
+    assert ab.draft_rate < cheap_rate
+    ab.observe(t, [0], draft_ms=None)  # an untimed draft (a prompt's projection came with it) moves nothing
+    assert ab.draft_cost(4) == pytest.approx(4.0)
+    state = json.loads(json.dumps(ab.state()))
+    fresh = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
+    fresh.load_state(state)
+    assert fresh.draft_cost(4) == pytest.approx(4.0)
+
+
+def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_path, monkeypatch):
+    """A request's first draft projects the prompt, and a draft after a plain round the rows of that
+    round too: only a draft right after another one is timed for the draft curve, with the draft's
+    node count, and every such draft is."""
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    real_measure = costs_mod.measure_costs
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: real_measure(*a, **dict(k, reps=1)))
+    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
+    pattern = itertools.cycle([True, True, True, False, True, False, True, True])
+    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
+    events = []
+    real_propose = type(jf.drafter).propose
+
+    def propose(self, *a, max_nodes=None, **k):
+        events.append(("draft", max_nodes))
+        return real_propose(self, *a, max_nodes=max_nodes, **k)
+
+    real_observe = AdaptiveBudget.observe
+
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None):
+        events.append(("round", draft_ms, drafted_nodes))
+        return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
+
+    monkeypatch.setattr(type(jf.drafter), "propose", propose)
+    monkeypatch.setattr(AdaptiveBudget, "observe", observe)
+    jf.generate("hi", max_new_tokens=2)  # measures the cost curve (its drafts are not rounds)
+    events.clear()
+    out = jf.generate("hello", max_new_tokens=40)
+    assert out.token_ids == jetflow.generate(target, "hello", max_new_tokens=40).token_ids
+    rounds, drafted = [], None
+    for e in events:
+        if e[0] == "draft":
+            drafted = e[1]
+        else:
+            rounds.append((drafted, e[1], e[2]))
+            drafted = None
+    timed = 0
+    for (before, _, _), (nodes, draft_ms, drafted_nodes) in zip([(None, None, None)] + rounds, rounds):
+        if nodes is not None and before is not None:
+            assert draft_ms is not None and draft_ms > 0 and drafted_nodes == nodes
+            timed += 1
+        else:
+            assert draft_ms is None and drafted_nodes is None
+    assert timed >= 3 and any(n is not None and d is None for n, d, _ in rounds)

@@ -79,6 +79,40 @@ def test_incremental_context_equals_full_context(target):
         one.depth_logprobs(7, 8)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_context_grows_in_place_and_rounds_project_with_the_drafters_weights(target, int8):
+    """A prompt then rounds of 1-3 committed rows, each followed by a draft, past the first buffer's
+    256 rows: the context keys/values equal one projection of every row (float: up to rounding). An
+    int8 drafter projects a prompt with the float head (its first row, an attention sink, would set
+    the int8 activation scale) and a round's few rows with its int8 linears."""
+    head = make_head(target).eval()
+    torch.manual_seed(4)
+    feats = torch.randn(300, 2 * 64)
+    drafter = BlockDrafter(head, target, int8=int8)
+    cuts = [0, 40]
+    while cuts[-1] < len(feats):
+        cuts.append(min(len(feats), cuts[-1] + 1 + len(cuts) % 3))
+    for a, b in zip(cuts, cuts[1:]):
+        drafter.extend(feats[a:b])
+        drafter.depth_logprobs(7, b)
+    with torch.no_grad():
+        float_kv = head.context_kv(head.fuse(feats), torch.arange(len(feats)))
+        few_kv = drafter.run_head.context_kv(drafter.run_head.fuse(feats[40:43]), torch.arange(40, 43))
+    assert drafter.context_len == len(feats) and drafter._kv_room[0][0].shape[-2] == 512
+    for (k, v), (fk, fv), (qk, qv) in zip(drafter.context_kv, float_kv, few_kv):
+        assert k.shape == fk.shape
+        torch.testing.assert_close(k[..., :40, :], fk[..., :40, :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(v[..., :40, :], fv[..., :40, :], atol=1e-5, rtol=0)
+        if int8:  # the round of rows 40..42 came from the int8 linears: their outputs, near the float ones
+            torch.testing.assert_close(k[..., 40:43, :], qk, atol=1e-5, rtol=0)
+            assert not torch.allclose(k[..., 40:43, :], fk[..., 40:43, :], atol=1e-5)
+            cos = torch.nn.functional.cosine_similarity(v.flatten(-2), fv.flatten(-2), dim=-1)
+            assert cos.min() > 0.99
+        else:
+            torch.testing.assert_close(k, fk, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v, fv, atol=1e-5, rtol=0)
+
+
 def test_checkpoint_roundtrip_and_format(target, tmp_path):
     head = make_head(target, "bidirectional")
     path = head.save_pretrained(tmp_path / "drafter")

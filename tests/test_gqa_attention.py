@@ -89,3 +89,23 @@ def test_target_uses_it_and_verifies_exactly_as_sdpa(tokenizer):
         outs.append(target.verify(tokens, parents))
     assert torch.equal(outs[0].logits, outs[1].logits)
     assert torch.equal(outs[0].hidden, outs[1].hidden)
+
+
+@pytest.mark.parametrize("lead", [(), (3,)])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_grouped_query_sdpa_equals_the_definition(lead, groups):
+    """The draft heads' attention (queries [..., H, n, d], a mask [..., 1, n, W] shared by the heads),
+    with and without a batch dimension, with and without key/value groups."""
+    from jetflow.models.gqa_attention import grouped_query_sdpa
+
+    torch.manual_seed(groups)
+    kv, n, w, d = 2, 5, 23, 8
+    query = torch.randn(*lead, kv * groups, n, d)
+    key, value = torch.randn(*lead, kv, w, d), torch.randn(*lead, kv, w, d)
+    allowed = torch.rand(*lead, 1, n, w) > 0.4
+    allowed[..., 0] = True
+    out = grouped_query_sdpa(query, key, value, allowed)
+    assert out.shape == query.shape
+    batched = lambda t: t if lead else t.unsqueeze(0)  # noqa: E731  brute_force takes a batch dimension
+    ref = brute_force(batched(query), batched(key), batched(value), batched(allowed), d ** -0.5).transpose(1, 2)
+    torch.testing.assert_close(batched(out).double(), ref, atol=1e-5, rtol=0)

@@ -16,6 +16,9 @@ from jetflow.tree.build import DraftTree, build_tree
 from jetflow.tree.calibration import TreeCalibration
 
 
+INT8_CONTEXT_ROWS = 64  # committed rows at most that an int8 drafter projects with its int8 linears
+
+
 class BlockProposal:
     """One block forward's per-depth distributions; a tree of any budget is built from them."""
 
@@ -62,7 +65,6 @@ class BlockDrafter:
         self.run_head, self.lm_head = self.head, None
         if int8:  # the lean CPU path: int8 weights, float activations (see jetflow/models/int8.py)
             self.run_head = int8_linears(self.head)
-            self.run_head.fc = self.head.fc  # context fusion runs in extend() on the float head; forward reads its dtype
             self.lm_head = int8_linear(self.lm_weight)
         self.draft_ids = head.draft_ids
         self.calibration = None if self.refine else head.config.calibration
@@ -78,7 +80,10 @@ class BlockDrafter:
         return twin
 
     def reset(self) -> None:
+        # Every layer's context keys/values: views of buffers with room to grow (``_kv_room``), so
+        # a round's few new rows are written in place instead of copying the whole context.
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv_room: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.last_feature: torch.Tensor | None = None  # fused feature of the last committed token
         self.context_len = 0
         self._pending: list[torch.Tensor] = []  # features of committed tokens not yet projected
@@ -98,15 +103,33 @@ class BlockDrafter:
         features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
         self._pending = []
         positions = torch.arange(self.context_len, self.context_len + features.shape[0], device=features.device)
-        fused = self.head.fuse(features)
+        # A round's few committed rows go through the int8 linears (the float fusion read 6.6 MB of
+        # weights for them, 0.9 ms on a 2-core CPU); a prompt's rows stay float: int8 quantizes a
+        # call's activations with one scale, which the first position's row (an attention sink,
+        # ~100x the rest) would set, and many rows make the weights' bytes cheap per row anyway.
+        few = 0 < self.context_len and features.shape[0] <= INT8_CONTEXT_ROWS
+        head = self.run_head if few else self.head
+        fused = head.fuse(features)
         self.last_feature = fused[-1]
-        new = self.head.context_kv(fused, positions)
-        if self.context_kv is None:
-            self.context_kv = new
-        else:
-            self.context_kv = [(torch.cat([k, nk], -2), torch.cat([v, nv], -2))
-                               for (k, v), (nk, nv) in zip(self.context_kv, new)]
-        self.context_len += features.shape[0]
+        self._append_context_kv(head.context_kv(fused, positions))
+
+    def _append_context_kv(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        start = self.context_len
+        end = start + new[0][0].shape[-2]
+        room = 0 if self._kv_room is None else self._kv_room[0][0].shape[-2]
+        if end > room:  # grow geometrically: appends cost their own rows, amortized
+            size = max(end, 2 * room, 256)
+            grown = []
+            for layer, (nk, nv) in enumerate(new):
+                k, v = (t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (nk, nv))
+                if start:
+                    k[..., :start, :], v[..., :start, :] = self.context_kv[layer]
+                grown.append((k, v))
+            self._kv_room = grown
+        for (k, v), (nk, nv) in zip(self._kv_room, new):
+            k[..., start:end, :], v[..., start:end, :] = nk, nv
+        self.context_kv = [(k[..., :end, :], v[..., :end, :]) for k, v in self._kv_room]
+        self.context_len = end
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         pass  # a head's drafts do not depend on how earlier rounds went

@@ -95,6 +95,9 @@ class AdaptiveBudget:
         self._curve = [costs.c1_ms] + [costs.verify_ms(n) for n in range(1, max_budget + 1)]
         self._draft = [costs.draft_ms(n) for n in range(max_budget + 1)]
         self._plain_scale, self._tree_rel, self._scale_count = 1.0, 1.0, [0, 0]  # counts: [plain, trees]
+        # Drafts are timed as rounds run too, and the draft curve scaled by the running ratio of
+        # measured to cached time: a draft's cost moves with the load as a verify's does.
+        self._draft_scale, self._draft_count = 1.0, 0
         self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
@@ -124,7 +127,7 @@ class AdaptiveBudget:
     # acceptance counts, cost scales, the rest of a round, and where exploring and re-probing stand.
     # Not kept: the plain-step timing (a new process times a plain step first) and in-round counters.
     _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "_rounds", "_tree_rounds", "_plain_scale",
-              "_tree_rel", "_scale_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
+              "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
               "_featureless", "_reprobe_doublings", "_reprobing")
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
 
@@ -213,6 +216,10 @@ class AdaptiveBudget:
         """Milliseconds of a verify of n draft nodes (plus the root): measured, else predicted."""
         return self._curve[min(n, self.max_budget)] * self.verify_scales()[n > 0]
 
+    def draft_cost(self, n: int) -> float:
+        """Milliseconds of a draft for a tree of n nodes: the cached curve, scaled as measured."""
+        return self._draft[min(n, self.max_budget)] * self._draft_scale
+
     def plain_step_due(self) -> bool:
         """Whether this round must be a plain step whatever pays: the first timed round, then one
         whenever ``max_explore_every`` rounds in a row were not plain. Every price is scaled by the
@@ -246,6 +253,12 @@ class AdaptiveBudget:
             self._tree_rel += (ratio / self._plain_scale - self._tree_rel) * weight
         else:
             self._plain_scale += (ratio - self._plain_scale) * weight
+
+    def _observe_draft(self, nodes: int, ms: float) -> None:
+        predicted = self._draft[min(nodes, self.max_budget)]
+        if predicted > 0:  # (a curve measured without a drafter has none)
+            self._draft_count += 1
+            self._draft_scale += (ms / predicted - self._draft_scale) / min(self._draft_count, 20)
 
     def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
@@ -310,7 +323,7 @@ class AdaptiveBudget:
                 prefer = self.draft_rate is None or self.draft_rate >= chain.rate
             else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
                 nodes = len(chain.tree) - 1 + self._recent_choice
-                cost = self._draft[min(nodes, self.max_budget)] + self.verify_cost(nodes) + self.overhead_ms
+                cost = self.draft_cost(nodes) + self.verify_cost(nodes) + self.overhead_ms
                 prefer = (chain.expected + self.head_gain) / cost > chain.rate
             drafted = self._chain_explorer.decide(prefer)
             self._offer = chain if drafted else None
@@ -350,7 +363,8 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        cost = [self._draft[n] + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
+        draft_scale = self._draft_scale
+        cost = [self._draft[n] * draft_scale + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
                 for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))
@@ -359,9 +373,14 @@ class AdaptiveBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None) -> None:
+                verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too;
-        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time."""
+        ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
+        ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
+        draft that projected only the previous round's features (not a prompt's, nor those of a run
+        of plain rounds: exploring pays those, drafting every round would not)."""
+        if draft_ms is not None:
+            self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)
         for node in range(1, len(tree)):
             if tree.parents[node] in accepted:

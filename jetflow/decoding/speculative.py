@@ -51,6 +51,7 @@ def speculative_stream(
     # one timing (their Python runs right after a decode, with cold caches, so it costs ~1% of a step).
     plain_steps = adaptive is not None and params.greedy and not features
     dropped = False  # features stopped mid-request: the head drafted and settled as losing
+    drafted_last = False  # the previous round drafted: this round's draft projects only its features
     finished = output.add(root)
     while not finished:
         if delta := output.drain():
@@ -75,12 +76,13 @@ def speculative_stream(
                 adaptive.observe_plain(t * 1e3)
                 stats.accept_lengths.append(1)
                 stats.tree_sizes.append(0)
-                finished = output.add(root)
+                finished, drafted_last = output.add(root), False
                 continue
             if tree is PLAIN:
                 tree = DraftTree.root_only(root)
         before = dict(stats.seconds)
-        if tree is None:
+        drafted, nodes = tree is None, None
+        if drafted:
             stats.round_kinds["drafted"] += 1
             nodes = budget if adaptive is None else adaptive.draft_nodes()
             with stats.timed("draft"):
@@ -95,8 +97,11 @@ def speculative_stream(
         path, bonus = _verify_round(target, drafter, tree, params, generator, features, stats)
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
+            timed_draft = drafted and drafted_last  # as the cost curve times a draft: head forward + tree build
             adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
-                             verify_ms=spent["verify"])
+                             verify_ms=spent["verify"], draft_ms=spent["draft"] + spent["tree"] if timed_draft else None,
+                             drafted_nodes=nodes if timed_draft else None)
+        drafted_last = drafted
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)

@@ -266,9 +266,14 @@ class DraftHead(nn.Module):
                 nn.init.normal_(m.weight, std=0.5)
 
     # ---------------------------------------------------------------- forward pieces
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's float dtype (read off a norm: a copy with int8 linears keeps its norms float)."""
+        return self.norm.weight.dtype
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., C, taps*H] -> fused context features [..., C, H]."""
-        x = features.to(self.fc.weight.dtype) / self.feature_scale.to(self.fc.weight.dtype)
+        x = features.to(self.dtype) / self.feature_scale.to(self.dtype)
         return self.hidden_norm(self.fc(x))
 
     @torch.no_grad()
@@ -296,7 +301,7 @@ class DraftHead(nn.Module):
         path-conditioned pass, decoding/refine.py): slot 0 is the anchor, slot i sits at depth
         ``depths[i]`` below it, and ``mask`` says which slots it sees; for a head that shifts tokens,
         ``block_embeds`` then already hold the token each slot reads (its parent's)."""
-        x = block_embeds.to(self.fc.weight.dtype)
+        x = block_embeds.to(self.dtype)
         b = block_size or min(self.config.block_size, x.shape[-2])
         if self.config.shift_tokens and depths is None:  # slot j reads slot j-1's token (the anchor its own)
             blocks = x.unflatten(-2, (-1, b))

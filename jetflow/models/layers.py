@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jetflow.models.gqa_attention import grouped_query_sdpa
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -17,10 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -115,8 +114,7 @@ class Attention(nn.Module):
         else:
             if ctx_k is not None:
                 k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3),
-                                                 enable_gqa=self.heads != self.kv_heads)
+            out = grouped_query_sdpa(q, k, v, mask.unsqueeze(-3))
         out = self.o_proj(out.transpose(-2, -3).flatten(-2))
         return (out, (k_new, v_new)) if return_kv else out
 
