@@ -7,9 +7,10 @@ nodes (a causal head runs only the slots such a tree can reach).
 A round's draft is what the decoding loop times as "draft": project the features of the tokens the
 last verify committed (``--new-rows``, default 2) into the head's context, run the head, build the
 tree. As in decoding, each timed draft follows an (untimed) llama.cpp step, which leaves the CPU's
-caches holding the target's weights, not the head's. Prints one JSON object: the median one-token
-llama.cpp step (ms) and, per variant and node count, the median ms of a round's draft and its share
-of the step.
+caches holding the target's weights, not the head's. ``--warm`` times drafts back to back instead,
+with nothing to project (how `auto`'s cost curve timed them until it timed them as here). Prints one
+JSON object: the median one-token llama.cpp step (ms) and, per variant and node count, the median ms
+of a round's draft and its share of the step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--nodes", default="1,2,4,8,16")
+    ap.add_argument("--warm", action="store_true", help="drafts back to back, nothing to project")
     args = ap.parse_args()
     nodes_list = [int(n) for n in args.nodes.split(",")]
 
@@ -62,7 +64,8 @@ def main() -> int:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    out = {"context": args.context, "new_rows": args.new_rows, "threads": args.threads,
+    out = {"context": args.context, "new_rows": 0 if args.warm else args.new_rows, "warm": args.warm,
+           "threads": args.threads,
            "llama_step_ms": statistics.median(times[1:]) * 1e3, "draft_ms": {}}
     for int8 in (False, True):
         for refine in (0, 1):
@@ -74,10 +77,12 @@ def main() -> int:
                                 max_nodes=nodes).tree(nodes)  # the prompt's projection, untimed
                 times, end = [], args.context
                 for _ in range(rounds):
-                    step()
+                    if not args.warm:
+                        step()
                     t = time.perf_counter()
-                    drafter.extend(features[end: end + args.new_rows])
-                    end += args.new_rows
+                    if not args.warm:
+                        drafter.extend(features[end: end + args.new_rows])
+                        end += args.new_rows
                     drafter.propose(tokens[end - 1], end, target.max_context, 7, max_nodes=nodes).tree(nodes)
                     times.append(time.perf_counter() - t)
                 ms = statistics.median(times[1:]) * 1e3

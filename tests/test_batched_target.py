@@ -174,6 +174,7 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
     from jetflow.decoding.load_budget import LoadBudget
 
     monkeypatch.setattr(AdaptiveBudget, "_observe_verify", lambda *a: None)  # price by this curve only
+    monkeypatch.setattr(AdaptiveBudget, "_observe_draft", lambda *a: None)
     monkeypatch.setattr(AdaptiveBudget, "_observe_overhead", lambda *a, **k: None)  # (a tiny model's Python)
 
     torch.manual_seed(0)
@@ -190,6 +191,47 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
     kinds = r.result.stats["round_kinds"]
     # (as its single-stream twin: a random model seldom follows a chain, and the request's counts price them out)
     assert kinds["lookup"] >= 3 and sum(kinds.values()) == r.result.stats["rounds"]
+
+
+def test_a_lone_request_times_only_drafts_that_follow_a_drafted_round(target, monkeypatch):
+    """As in the single-stream loop: the lone request's draft time (head forward + tree build) goes
+    to the single-stream budget only when its previous round drafted too, with its node count."""
+    import itertools
+
+    from jetflow.decoding.budget import AdaptiveBudget
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=8))
+    sizes = [1, 4, 16, 64]
+    load = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + n for n in sizes},
+                                 "draft_ms": {n: 2.0 for n in sizes}}))
+    pattern = itertools.cycle([True, True, True, False, True, False, True, True])
+    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
+    seen, real = [], AdaptiveBudget.observe
+
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None):
+        seen.append((draft_ms, drafted_nodes))
+        return real(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
+
+    monkeypatch.setattr(AdaptiveBudget, "observe", observe)
+    decoder = BatchDecoder(target, head, lookup=False, load_budget=load)
+    prompt = [11, 12, 13, 14] * 5
+    r = decoder.add(request(target, prompt, None, max_new_tokens=40))
+    drafted = []
+    while decoder.active:
+        before = r.stats.round_kinds["drafted"]
+        decoder.step()
+        drafted.append(r.stats.round_kinds["drafted"] > before)
+    assert r.result.token_ids == jetflow.generate(target, prompt, max_new_tokens=40).token_ids
+    assert len(seen) == len(drafted)
+    for i, (draft_ms, nodes) in enumerate(seen):
+        if drafted[i] and i and drafted[i - 1]:
+            assert draft_ms > 0 and nodes >= 8  # (a round drafts at least 8 nodes)
+        else:
+            assert draft_ms is None and nodes is None
+    assert sum(d is not None for d, _ in seen) >= 3 and not all(drafted)
 
 
 @pytest.mark.real

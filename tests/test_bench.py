@@ -107,22 +107,39 @@ def test_summary_formulas_against_hand_computed_values():
     assert "mismatches" not in summarize(spec, ar, greedy=False)
 
 
-def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads):
+def test_cost_model_measures_and_leaves_the_target_clean(tiny_dir, heads, monkeypatch):
     from jetflow.decoding.block_drafter import BlockDrafter
+    from jetflow.decoding.mixed_drafter import MixedDrafter
 
     target = TargetModel.load(str(tiny_dir))
-    drafter = BlockDrafter(DraftHead.from_pretrained(heads["causal"], target=target), target)
-    rows, real_extend = [], drafter.extend
-    drafter.extend = lambda features: rows.append(features.shape[0]) or real_extend(features)
+    drafter = MixedDrafter(BlockDrafter(DraftHead.from_pretrained(heads["causal"], target=target), target), target)
+    extended, proposed, real_extend, real_propose = [], [], BlockDrafter.extend, BlockDrafter.propose
+
+    def extend(self, features):
+        extended.append((self is drafter.primary, features.shape[0]))
+        return real_extend(self, features)
+
+    def propose(self, anchor, position, *a, **k):
+        proposed.append((position, self.context_len + sum(f.shape[0] for f in self._pending)))
+        return real_propose(self, anchor, position, *a, **k)
+
+    monkeypatch.setattr(BlockDrafter, "extend", extend)
+    monkeypatch.setattr(BlockDrafter, "propose", propose)
+    counts = drafter.calibration.trials.copy(), drafter.calibration.hits.copy(), drafter.calibration.version
     costs = measure_costs(target, [4, 16], drafter, context=32, reps=2)
-    # Each draft, as in decoding, first projects the features of the two tokens the verify before it
-    # committed (warm-up included), after the prompt's.
-    assert rows == [32] + [2] * 2 * 3 and drafter.context_len == 32 + 2 * 2 * 3
     assert costs["c1_ms"] > 0 and set(costs["verify_ms"]) == {4, 16} and set(costs["draft_ms"]) == {4, 16}
     assert costs["verify_ratio"][4] == pytest.approx(costs["verify_ms"][4] / costs["c1_ms"])
     assert target.past_len == 0
     assert speedup_bound(3.0, costs, 4) == pytest.approx(
         3.0 * costs["c1_ms"] / (costs["draft_ms"][4] + costs["verify_ms"][4]))
+    # Per size, from the prefix: each draft (warm-up included) projects the two tokens the verify
+    # before it committed, at the target's position; a twin is timed, and the drafter's own context
+    # and lookup counts are untouched (the timed rounds' made-up tokens are no chains the target followed).
+    assert extended == [(False, 32), (False, 2), (False, 2), (False, 2)] * 2
+    assert proposed == [(34, 34), (36, 36), (38, 38)] * 2
+    assert drafter.primary.context_len == 0 and not drafter.primary._pending
+    assert (drafter.calibration.trials == counts[0]).all() and (drafter.calibration.hits == counts[1]).all()
+    assert drafter.calibration.version == counts[2]
 
 
 def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path, capsys, monkeypatch):

@@ -617,15 +617,16 @@ def test_a_llamacpp_cost_curve_is_measured_again_on_another_build(tiny_dir, monk
 
 
 def test_measured_draft_times_rescale_the_cached_draft_curve():
-    """Drafts timed at twice the cached curve price every size at twice the curve (a running mean
-    over 20, as for verifies), so the choice and the rate of drafting follow the measured drafts."""
+    """Drafts timed at twice the cached curve price every size at twice the curve, so the choice and
+    the rate of drafting follow the measured drafts; then one draft 22x the curve moves the ratio by
+    1/20 of the difference (a running mean over 20, as for verifies)."""
     ab = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
     t = hand_tree()
     assert ab.draft_cost(4) == pytest.approx(2.0)
     ab.choose(t)
     cheap_rate = ab.draft_rate
-    for _ in range(40):
-        ab.observe(t, [0, 1], draft_ms=4.0, drafted_nodes=16)
+    for _ in range(40):  # rounds without nodes: only the draft's time moves
+        ab.observe(DraftTree.root_only(5), [0], draft_ms=4.0, drafted_nodes=16)
     assert ab.draft_cost(1) == pytest.approx(4.0) and ab.draft_cost(256) == pytest.approx(4.0)
     expected = ab.expected_tokens(t)
     cost = [4.0 * (n > 0) + ab.verify_cost(n) + (ab.overhead_ms if n else ab.plain_overhead_ms) for n in range(4)]
@@ -633,12 +634,15 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
     ab.draft_rate = None
     ab.choose(t)
     assert ab.draft_rate < cheap_rate
-    ab.observe(t, [0], draft_ms=None)  # an untimed draft (a prompt's projection came with it) moves nothing
-    assert ab.draft_cost(4) == pytest.approx(4.0)
     state = json.loads(json.dumps(ab.state()))
+    ab.observe(DraftTree.root_only(5), [0], draft_ms=44.0, drafted_nodes=4)
+    assert ab.draft_cost(4) == pytest.approx(2.0 * (2.0 + (22.0 - 2.0) / 20))
     fresh = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
     fresh.load_state(state)
     assert fresh.draft_cost(4) == pytest.approx(4.0)
+    for bad in ("fast", -1.0, 0):
+        with pytest.raises(ValueError, match="_draft_scale"):
+            fresh.load_state({**state, "_draft_scale": bad})
 
 
 def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_path, monkeypatch):

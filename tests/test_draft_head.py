@@ -98,7 +98,7 @@ def test_context_grows_in_place_and_rounds_project_with_the_drafters_weights(tar
     with torch.no_grad():
         float_kv = head.context_kv(head.fuse(feats), torch.arange(len(feats)))
         few_kv = drafter.run_head.context_kv(drafter.run_head.fuse(feats[40:43]), torch.arange(40, 43))
-    assert drafter.context_len == len(feats) and drafter._kv_room[0][0].shape[-2] == 512
+    assert drafter.context_len == len(feats) and drafter._kv_room[0][0].shape[-2] == 2 * (40 + 256)  # grown once
     for (k, v), (fk, fv), (qk, qv) in zip(drafter.context_kv, float_kv, few_kv):
         assert k.shape == fk.shape
         torch.testing.assert_close(k[..., :40, :], fk[..., :40, :], atol=1e-5, rtol=0)
@@ -111,6 +111,31 @@ def test_context_grows_in_place_and_rounds_project_with_the_drafters_weights(tar
         else:
             torch.testing.assert_close(k, fk, atol=1e-5, rtol=0)
             torch.testing.assert_close(v, fv, atol=1e-5, rtol=0)
+
+
+def test_an_int8_drafter_projects_only_few_moderate_rows_with_its_int8_linears(target):
+    """After the prompt: 64 rows go through the int8 linears, 65 do not, nor a round with a feature far
+    above the usual scale; float drafters always project with the float head."""
+    head = make_head(target).eval()
+    torch.manual_seed(5)
+    feats = torch.randn(40 + 64 + 65 + 2, 2 * 64)
+    feats[-1, 3] = 40.0  # a massive activation (the head's feature scale is 1 here)
+    drafter = BlockDrafter(head, target, int8=True)
+    calls = []
+    for name, h in (("int8", drafter.run_head), ("float", drafter.head)):
+        h.fuse = (lambda real, n: lambda x: calls.append(n) or real(x))(h.fuse, name)
+    ends = [40, 104, 169, 171]
+    for a, b in zip([0] + ends, ends):
+        drafter.extend(feats[a:b])
+        drafter.depth_logprobs(7, b)
+    assert calls == ["float", "int8", "float", "float"]
+    calls.clear()
+    plain = BlockDrafter(head, target)
+    plain.extend(feats[:40])
+    plain.depth_logprobs(7, 40)
+    plain.extend(feats[40:42])
+    plain.depth_logprobs(7, 42)
+    assert plain.run_head is plain.head
 
 
 def test_checkpoint_roundtrip_and_format(target, tmp_path):

@@ -96,7 +96,7 @@ def test_target_uses_it_and_verifies_exactly_as_sdpa(tokenizer):
 def test_grouped_query_sdpa_equals_the_definition(lead, groups):
     """The draft heads' attention (queries [..., H, n, d], a mask [..., 1, n, W] shared by the heads),
     with and without a batch dimension, with and without key/value groups."""
-    from jetflow.models.gqa_attention import grouped_query_sdpa
+    from jetflow.models.layers import grouped_query_sdpa
 
     torch.manual_seed(groups)
     kv, n, w, d = 2, 5, 23, 8

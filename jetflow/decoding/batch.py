@@ -44,6 +44,8 @@ class BatchRequest:
     _t0: float = 0.0
     _prefill_s: float = 0.0
     _cached: int = 0  # prompt tokens taken from the batch's prefix cache
+    _drafted_last: bool = False  # its previous round drafted (its draft then projects that round's rows only)
+    _draft_ms: float = 0.0  # this round's draft (head forward + tree build), when it drafted
 
     @property
     def finished(self) -> bool:
@@ -168,14 +170,17 @@ class BatchDecoder:
             nodes = [r.budget if r.budget is not None else self.load_budget.draft_nodes(len(self.active))
                      for r in drafts]
             lengths = [self.batch.length(r.id) for r in drafts]
+            t_propose = time.perf_counter()
             proposals = propose_many([r._drafter for r in drafts], [r.root for r in drafts], lengths,
                                      [self.batch.max_context - n - 1 for n in lengths], [r.width for r in drafts], nodes)
             t_drafted = time.perf_counter()
             draft_s = (t_drafted - t_draft) / len(drafts)
             for r, proposal, n in zip(drafts, proposals, nodes):
                 r.stats.seconds["draft"] += draft_s
+                t_build = time.perf_counter()
                 with r.stats.timed("tree"):
                     trees[r.id] = proposal.tree(n)
+                    r._draft_ms = (t_drafted - t_propose + time.perf_counter() - t_build) * 1e3
                     if self.batch.chains_only:  # the backend verifies one path per request
                         trees[r.id] = trees[r.id].main_chain()
                 if r.budget is None:
@@ -204,10 +209,15 @@ class BatchDecoder:
             lone = len(trees) == 1 and r.budget is None and r._drafter is not None
             if lone:  # its round outside draft and verify (tree, acceptance) and its verify, in ms
                 other_s = (t0 - t_tree) + (time.perf_counter() - t_verified)
-                self.load_budget.observe(tree, paths[r.id], other_s * 1e3, verify_s * 1e3)
+                timed = r in drafts and r._drafted_last  # as the single-stream loop times drafts
+                self.load_budget.observe(tree, paths[r.id], other_s * 1e3, verify_s * 1e3,
+                                         draft_ms=r._draft_ms if timed else None,
+                                         drafted_nodes=nodes[drafts.index(r)] if timed else None)
             elif r.id in shared_ids:
                 self.load_budget.observe(tree, paths[r.id])
         self.batch.commit(paths)
+        for r in self.active:
+            r._drafted_last = r in drafts
         for r in list(self.active):
             tree, path = trees[r.id], paths[r.id]
             if r._drafter is not None:

@@ -17,6 +17,7 @@ from jetflow.tree.calibration import TreeCalibration
 
 
 INT8_CONTEXT_ROWS = 64  # committed rows at most that an int8 drafter projects with its int8 linears
+INT8_MAX_SCALED_FEATURE = 32.0  # ... if no scaled feature exceeds this (SmolLM2's rows: median max ~4, up to ~15)
 
 
 class BlockProposal:
@@ -107,21 +108,25 @@ class BlockDrafter:
         # weights for them, 0.9 ms on a 2-core CPU); a prompt's rows stay float: int8 quantizes a
         # call's activations with one scale, which the first position's row (an attention sink,
         # ~100x the rest) would set, and many rows make the weights' bytes cheap per row anyway.
-        few = 0 < self.context_len and features.shape[0] <= INT8_CONTEXT_ROWS
+        few = 0 < self.context_len and features.shape[0] <= INT8_CONTEXT_ROWS and self.run_head is not self.head
+        # ... nor a row with a value far above the scaled features' usual few units (a token that
+        # carries massive activations mid-sequence), which would coarsen the rest the same way.
+        if few and (features / self.head.feature_scale.to(features.dtype)).abs().amax() > INT8_MAX_SCALED_FEATURE:
+            few = False
         head = self.run_head if few else self.head
         fused = head.fuse(features)
-        self.last_feature = fused[-1]
+        self.last_feature = fused[-1].to(self.head.dtype)
         self._append_context_kv(head.context_kv(fused, positions))
 
     def _append_context_kv(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         start = self.context_len
         end = start + new[0][0].shape[-2]
         room = 0 if self._kv_room is None else self._kv_room[0][0].shape[-2]
-        if end > room:  # grow geometrically: appends cost their own rows, amortized
-            size = max(end, 2 * room, 256)
+        if end > room:  # grow geometrically (rounds after a long prompt too): appends cost their own rows, amortized
+            size = max(end + 256, 2 * room)
             grown = []
-            for layer, (nk, nv) in enumerate(new):
-                k, v = (t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (nk, nv))
+            for layer, (nk, nv) in enumerate(new):  # in the float head's dtype, whichever head projected
+                k, v = (t.new_empty(*t.shape[:-2], size, t.shape[-1], dtype=self.head.dtype) for t in (nk, nv))
                 if start:
                     k[..., :start, :], v[..., :start, :] = self.context_kv[layer]
                 grown.append((k, v))

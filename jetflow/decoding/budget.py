@@ -54,6 +54,12 @@ from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
 from jetflow.tree.build import DraftTree
 
 
+def _weight(count: int) -> float:
+    """A measured ratio's weight in its running mean after ``count`` measurements: the mean of the
+    first 20, then a running mean over about 20 (a machine's speed drifts)."""
+    return 1 / min(count, 20)
+
+
 @dataclass
 class ChainOffer:
     """A lookup chain cut to the length that pays best, with its expected tokens and round cost."""
@@ -157,6 +163,9 @@ class AdaptiveBudget:
             raise ValueError("trials: counts must be positive")
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
+        for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
+            if isinstance(values[name], bool) or not isinstance(values[name], (int, float)) or values[name] <= 0:
+                raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")
         for name, value in values.items():
             setattr(self, name, value)
         for name, value in explorer.items():
@@ -248,7 +257,7 @@ class AdaptiveBudget:
         if k or self._scale_count[0] % 16 == 0:  # tree costs moved, or 16 plain steps since the last
             self._chain_prices.clear()
         self._scale_count[k] += 1
-        ratio, weight = ms / self._curve[min(nodes, self.max_budget)], 1 / min(self._scale_count[k], 20)
+        ratio, weight = ms / self._curve[min(nodes, self.max_budget)], _weight(self._scale_count[k])
         if k:  # mean, then running
             self._tree_rel += (ratio / self._plain_scale - self._tree_rel) * weight
         else:
@@ -258,7 +267,7 @@ class AdaptiveBudget:
         predicted = self._draft[min(nodes, self.max_budget)]
         if predicted > 0:  # (a curve measured without a drafter has none)
             self._draft_count += 1
-            self._draft_scale += (ms / predicted - self._draft_scale) / min(self._draft_count, 20)
+            self._draft_scale += (ms / predicted - self._draft_scale) * _weight(self._draft_count)
 
     def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
@@ -363,8 +372,7 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        draft_scale = self._draft_scale
-        cost = [self._draft[n] * draft_scale + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
+        cost = [self.draft_cost(n) + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
                 for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))

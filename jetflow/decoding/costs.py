@@ -36,16 +36,16 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
                   context: int = 256, reps: int = 5, width: int = 7) -> dict:
     """Median milliseconds of: a one-token target step (``c1_ms``), verifying a tree of each budget's
     size (``verify_ms[n]``, n draft nodes + root), and drafting a tree of each budget (``draft_ms[n]``,
-    the projection of a round's committed features, head forward and tree build; empty without a
-    drafter), all after a ``context``-token prefix."""
+    the head's forward over a round's newly committed features and the tree build; empty without a
+    drafter), all after a ``context``-token prefix (and, with a drafter, up to 2 * (reps + 1) tokens
+    committed after it). The drafter itself is left as it was: a twin of it is timed."""
     g = torch.Generator().manual_seed(0)
+    twin = None
     if drafter is not None:
         target.set_tapped_layers(drafter.head.config.target_layer_ids)
+        twin = _scratch_twin(drafter, target)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).tolist()
-    pre = target.prefill(prefix, return_hidden=drafter is not None)
-    if drafter is not None:
-        drafter.reset()
-        drafter.extend(pre.hidden)
+    target.prefill(prefix, return_hidden=False)
     root = prefix[-1]
     # As the loop runs them: with a drafter every forward returns features (a plain round's too).
     c1 = median_ms(lambda: target.verify([root], [-1], return_hidden=drafter is not None), reps)
@@ -53,30 +53,54 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
     for n in budgets:
         parents = _random_tree(n + 1, g)
         tokens = torch.randint(0, target.vocab_size, (n + 1,), generator=g).tolist()
-        if drafter is None:
+        if twin is None:
             verify_ms[n] = median_ms(lambda: target.verify(tokens, parents, return_hidden=False), reps)
             continue
-        # Each draft as the loop runs it: right after a verify (whose weights then fill the CPU's
-        # caches), first projecting the features of the tokens that verify committed (its root and
-        # first node: a tree's node 1 always hangs under the root). Timed back to back on a warm head
-        # and with nothing to project, a draft took half as long as in decoding (llama.cpp, SmolLM2's
-        # head: 2.2 ms against 4.5 ms), which made drafting look cheap.
-        verify_t, draft_t = [], []
-        for rep in range(reps + 1):  # the first: a warm-up
-            t0 = time.perf_counter()
-            out = target.verify(tokens, parents, return_hidden=True)
-            verify_t.append(time.perf_counter() - t0)
-            target.commit([0, 1])
-            t0 = time.perf_counter()
-            drafter.extend(out.hidden[:2])
-            drafter.propose(tokens[1], target.past_len, target.max_context, width, max_nodes=n).tree(n)
-            draft_t.append(time.perf_counter() - t0)
-        verify_ms[n], draft_ms[n] = statistics.median(verify_t[1:]) * 1e3, statistics.median(draft_t[1:]) * 1e3
+        verify_ms[n], draft_ms[n] = _verify_then_draft_ms(target, twin, prefix, tokens, parents, n, width, reps, g)
     # Once more at the end: a machine whose speed moved during the curve shows it here.
+    target.prefill(prefix, return_hidden=False)
     c1_after = median_ms(lambda: target.verify([root], [-1], return_hidden=drafter is not None), reps)
     target.reset()
     return {"context": context, "reps": reps, "c1_ms": c1, "c1_after_ms": c1_after, "verify_ms": verify_ms,
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
+
+
+def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[int], tokens: list[int],
+                          parents: list[int], n: int, width: int, reps: int, g: torch.Generator) -> tuple[float, float]:
+    """Median ms of a verify of the tree (tokens, parents) and of a draft of n nodes, each draft as
+    the loop runs it: right after a verify (whose weights then fill the CPU's caches), projecting the
+    features of the tokens that verify committed (its root and first node: node 1 always hangs under
+    the root), from a fresh anchor (the round's bonus token). Timed back to back on a warm head with
+    nothing to project, a draft took half its time in decoding (llama.cpp, SmolLM2's head: 2.2 ms
+    against 4.5 ms), which made drafting look cheap. The drafter's features are handed over outside
+    the timing, as the loop hands them over in its commit."""
+    pre = target.prefill(prefix, return_hidden=True)  # back to the prefix: every size at one context
+    drafter.reset()
+    drafter.extend(pre.hidden)
+    verify_t, draft_t = [], []
+    for rep in range(reps + 1):  # the first, a warm-up, also projects the prefix
+        t0 = time.perf_counter()
+        out = target.verify(tokens, parents, return_hidden=True)
+        verify_t.append(time.perf_counter() - t0)
+        target.commit([0, 1])
+        drafter.extend(out.hidden[:2])
+        anchor = int(torch.randint(0, target.vocab_size, (1,), generator=g))
+        t0 = time.perf_counter()
+        drafter.propose(anchor, target.past_len, target.max_context - target.past_len - 1, width, max_nodes=n).tree(n)
+        draft_t.append(time.perf_counter() - t0)
+    return statistics.median(verify_t[1:]) * 1e3, statistics.median(draft_t[1:]) * 1e3
+
+
+def _scratch_twin(drafter: Drafter, target: TargetBackend) -> Drafter:
+    """A drafter to time in place of ``drafter``: the same weights, a context of its own, and for a
+    drafter with prompt lookup, lookup counts of its own (the timed rounds' made-up tokens must not
+    count as chains the target followed)."""
+    from jetflow.decoding.mixed_drafter import MixedDrafter
+
+    if isinstance(drafter, MixedDrafter):
+        return MixedDrafter(_scratch_twin(drafter.primary, target), target, drafter.max_ngram, drafter.max_draft,
+                            drafter.request_prior)
+    return drafter.fork(target) if hasattr(drafter, "fork") else drafter
 
 
 def disturbance(costs: dict, tolerance: float = 1.5) -> str | None:
@@ -167,7 +191,8 @@ COST_CODE = ("models/few_row_linear.py", "models/int8.py", "models/target.py", "
              "models/gqa_attention.py", "models/draft_head.py", "models/eagle_head.py", "models/kv_cache.py",
              "models/llamacpp_target.py", "models/llamacpp_draft.py", "models/llamacpp_batch.py",
              "decoding/block_drafter.py", "decoding/refine.py", "decoding/eagle_drafter.py",
-             "decoding/mixed_drafter.py", "decoding/lookup_drafter.py", "tree/build.py", "tree/mask.py")
+             "decoding/mixed_drafter.py", "decoding/lookup_drafter.py", "decoding/costs.py", "tree/build.py",
+             "tree/mask.py")
 
 
 def cost_code_digest(package: Path | None = None) -> str:

@@ -87,8 +87,10 @@ def speculative_stream(
             nodes = budget if adaptive is None else adaptive.draft_nodes()
             with stats.timed("draft"):
                 proposal = drafter.propose(root, target.past_len, room, width, max_nodes=nodes)
+            build_start = time.perf_counter()
             with stats.timed("tree"):
                 tree = proposal.tree(nodes)
+                built = time.perf_counter()
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
         cells = target.tree_room()
@@ -97,9 +99,12 @@ def speculative_stream(
         path, bonus = _verify_round(target, drafter, tree, params, generator, features, stats)
         if adaptive is not None:
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
-            timed_draft = drafted and drafted_last  # as the cost curve times a draft: head forward + tree build
-            adaptive.observe(tree, path, other_ms=spent["tree"] + spent["accept"] + spent["commit"],
-                             verify_ms=spent["verify"], draft_ms=spent["draft"] + spent["tree"] if timed_draft else None,
+            # A draft's time as the cost curve takes it: projection, head forward and tree build (the
+            # build is priced with the draft, so the rest of the round leaves it out).
+            build_ms = (built - build_start) * 1e3 if drafted else 0.0
+            timed_draft = drafted and drafted_last
+            adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
+                             verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
                              drafted_nodes=nodes if timed_draft else None)
         drafted_last = drafted
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]

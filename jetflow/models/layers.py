@@ -9,7 +9,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetflow.models.gqa_attention import grouped_query_sdpa
+
+def grouped_query_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+    """SDPA of query [..., H, n, d] over key/value [..., KV, W, d] (H a multiple of KV) under a mask
+    [..., 1, n or 1, W] shared by the heads, with each key/value head's G query heads packed into G*n
+    query rows: no key/value copy per query head. Returns [..., H, n, d]."""
+    *lead, heads, n, d = query.shape
+    kv_heads = key.shape[-3]
+    groups = heads // kv_heads
+    if groups == 1:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    packed = query.reshape(*lead, kv_heads, groups * n, d)
+    # Packed row g*n + i is query i of head g in its group: the mask's n rows, once per head.
+    mask = mask.expand(*mask.shape[:-2], n, mask.shape[-1]).repeat(*([1] * (mask.dim() - 2)), groups, 1)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(*lead, heads, n, d)
 
 
 class RMSNorm(nn.Module):
