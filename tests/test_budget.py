@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -640,9 +641,15 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
     fresh = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
     fresh.load_state(state)
     assert fresh.draft_cost(4) == pytest.approx(4.0)
-    for bad in ("fast", -1.0, 0):
+    for bad in ("fast", -1.0, 0, float("nan")):
         with pytest.raises(ValueError, match="_draft_scale"):
             fresh.load_state({**state, "_draft_scale": bad})
+    for bad in (-1, 2.5, "3"):
+        with pytest.raises(ValueError, match="_draft_count"):
+            fresh.load_state({**state, "_draft_count": bad})
+    with pytest.raises(ValueError, match="_scale_count"):
+        fresh.load_state({**state, "_scale_count": [3, -2]})
+    assert fresh.draft_cost(4) == pytest.approx(4.0)  # nothing of a refused state was taken
 
 
 def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_path, monkeypatch):
@@ -667,13 +674,18 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
     real_observe = AdaptiveBudget.observe
 
     def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None):
-        events.append(("round", draft_ms, drafted_nodes))
+        events.append(("round", draft_ms, drafted_nodes, other_ms))
         return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
 
     monkeypatch.setattr(type(jf.drafter), "propose", propose)
     monkeypatch.setattr(AdaptiveBudget, "observe", observe)
     jf.generate("hi", max_new_tokens=2)  # measures the cost curve (its drafts are not rounds)
     events.clear()
+    # A tree build of at least 20 ms: priced with the draft, not again in the round's other time.
+    from jetflow.decoding.block_drafter import BlockProposal
+
+    real_tree = BlockProposal.tree
+    monkeypatch.setattr(BlockProposal, "tree", lambda self, n: (time.sleep(0.02), real_tree(self, n))[1])
     out = jf.generate("hello", max_new_tokens=40)
     assert out.token_ids == jetflow.generate(target, "hello", max_new_tokens=40).token_ids
     rounds, drafted = [], None
@@ -681,13 +693,15 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
         if e[0] == "draft":
             drafted = e[1]
         else:
-            rounds.append((drafted, e[1], e[2]))
+            rounds.append((drafted, e[1], e[2], e[3]))
             drafted = None
     timed = 0
-    for (before, _, _), (nodes, draft_ms, drafted_nodes) in zip([(None, None, None)] + rounds, rounds):
+    for (before, *_), (nodes, draft_ms, drafted_nodes, other_ms) in zip([(None,)] + rounds, rounds):
+        if nodes is not None:
+            assert other_ms < 20.0  # the build is not in it
         if nodes is not None and before is not None:
-            assert draft_ms is not None and draft_ms > 0 and drafted_nodes == nodes
+            assert draft_ms >= 20.0 and drafted_nodes == nodes
             timed += 1
         else:
             assert draft_ms is None and drafted_nodes is None
-    assert timed >= 3 and any(n is not None and d is None for n, d, _ in rounds)
+    assert timed >= 3 and any(n is not None and d is None for n, d, *_ in rounds)

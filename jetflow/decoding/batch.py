@@ -46,6 +46,7 @@ class BatchRequest:
     _cached: int = 0  # prompt tokens taken from the batch's prefix cache
     _drafted_last: bool = False  # its previous round drafted (its draft then projects that round's rows only)
     _draft_ms: float = 0.0  # this round's draft (head forward + tree build), when it drafted
+    _build_ms: float = 0.0  # ... of which the tree build
 
     @property
     def finished(self) -> bool:
@@ -180,7 +181,8 @@ class BatchDecoder:
                 t_build = time.perf_counter()
                 with r.stats.timed("tree"):
                     trees[r.id] = proposal.tree(n)
-                    r._draft_ms = (t_drafted - t_propose + time.perf_counter() - t_build) * 1e3
+                    r._build_ms = (time.perf_counter() - t_build) * 1e3
+                    r._draft_ms = (t_drafted - t_propose) * 1e3 + r._build_ms
                     if self.batch.chains_only:  # the backend verifies one path per request
                         trees[r.id] = trees[r.id].main_chain()
                 if r.budget is None:
@@ -207,10 +209,11 @@ class BatchDecoder:
             if r._drafter is not None and len(tree) > 1:
                 r._drafter.observe(tree, paths[r.id])
             lone = len(trees) == 1 and r.budget is None and r._drafter is not None
-            if lone:  # its round outside draft and verify (tree, acceptance) and its verify, in ms
+            if lone:  # its round outside draft (tree build included) and verify, and its verify, in ms
                 other_s = (t0 - t_tree) + (time.perf_counter() - t_verified)
+                other_ms = other_s * 1e3 - (r._build_ms if r in drafts else 0.0)
                 timed = r in drafts and r._drafted_last  # as the single-stream loop times drafts
-                self.load_budget.observe(tree, paths[r.id], other_s * 1e3, verify_s * 1e3,
+                self.load_budget.observe(tree, paths[r.id], other_ms, verify_s * 1e3,
                                          draft_ms=r._draft_ms if timed else None,
                                          drafted_nodes=nodes[drafts.index(r)] if timed else None)
             elif r.id in shared_ids:

@@ -163,9 +163,14 @@ class AdaptiveBudget:
             raise ValueError("trials: counts must be positive")
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
+        for name, value in (("_scale_count", values["_scale_count"][0]), ("_scale_count", values["_scale_count"][1]),
+                            ("_draft_count", values["_draft_count"])):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected counts >= 0, got {value!r}")
         for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
-            if isinstance(values[name], bool) or not isinstance(values[name], (int, float)) or values[name] <= 0:
-                raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: expected a positive ratio, got {value!r}")
         for name, value in values.items():
             setattr(self, name, value)
         for name, value in explorer.items():

@@ -38,7 +38,9 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
     size (``verify_ms[n]``, n draft nodes + root), and drafting a tree of each budget (``draft_ms[n]``,
     the head's forward over a round's newly committed features and the tree build; empty without a
     drafter), all after a ``context``-token prefix (and, with a drafter, up to 2 * (reps + 1) tokens
-    committed after it). The drafter itself is left as it was: a twin of it is timed."""
+    committed after it). A twin of the drafter is timed, so the drafter is left as it was (one that
+    cannot fork, EAGLE's head drafter, is timed itself and left reset to the measurement's context;
+    the loop resets it before a request); lookup counts are always the twin's own."""
     g = torch.Generator().manual_seed(0)
     twin = None
     if drafter is not None:
@@ -71,8 +73,8 @@ def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[
     the loop runs it: right after a verify (whose weights then fill the CPU's caches), projecting the
     features of the tokens that verify committed (its root and first node: node 1 always hangs under
     the root), from a fresh anchor (the round's bonus token). Timed back to back on a warm head with
-    nothing to project, a draft took half its time in decoding (llama.cpp, SmolLM2's head: 2.2 ms
-    against 4.5 ms), which made drafting look cheap. The drafter's features are handed over outside
+    nothing to project, a draft took about 0.6 of its time in decoding (llama.cpp, SmolLM2's head, one
+    node: 2.2 ms against 3.9 ms), which made drafting look cheap. The drafter's features are handed over outside
     the timing, as the loop hands them over in its commit."""
     pre = target.prefill(prefix, return_hidden=True)  # back to the prefix: every size at one context
     drafter.reset()
