@@ -16,10 +16,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from worktree import ROOT, checkout, resolve, this_checkout
 
 
 def run_bench(tree: Path, extra: list[str]) -> dict:
@@ -37,32 +36,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("bench_args", nargs="*", help="passed to bench_lean_draft.py (after --)")
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout.strip()
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "jetflow"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout.strip())
-    with tempfile.TemporaryDirectory() as tmp:
-        base_tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), commit], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            runs: dict[str, list[dict]] = {"base": [], "new": []}
-            for r in range(args.rounds):
-                for side, tree in (("base", base_tree), ("new", ROOT)):
-                    runs[side].append(run_bench(tree, args.bench_args))
-                    print(f"round {r + 1}/{args.rounds} {side}: step {runs[side][-1]['llama_step_ms']:.2f} ms",
-                          file=sys.stderr)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False,
-                           capture_output=True)
+    commit = resolve(args.base)
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    with checkout(commit) as base_tree:
+        for r in range(args.rounds):
+            for side, tree in (("base", base_tree), ("new", ROOT)):
+                runs[side].append(run_bench(tree, args.bench_args))
+                print(f"round {r + 1}/{args.rounds} {side}: step {runs[side][-1]['llama_step_ms']:.2f} ms",
+                      file=sys.stderr)
     table = {}
     for name in runs["new"][0]["draft_ms"]:
         base = statistics.median(run["draft_ms"][name]["ms"] for run in runs["base"])
         new = statistics.median(run["draft_ms"][name]["ms"] for run in runs["new"])
         table[name] = {"base_ms": base, "new_ms": new, "ratio": new / base}
     steps = {side: statistics.median(run["llama_step_ms"] for run in runs[side]) for side in runs}
-    result = {"base": commit, "new": head + ("+uncommitted" if dirty else ""), "rounds": args.rounds,
+    result = {"base": commit, "new": this_checkout(), "rounds": args.rounds,
               "llama_step_ms": steps, "draft_ms": table, "runs": runs}
     for name, row in table.items():
         print(f"{name:20s} base {row['base_ms']:6.2f} ms  new {row['new_ms']:6.2f} ms  x{row['ratio']:.2f}")

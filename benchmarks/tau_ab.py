@@ -17,10 +17,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from worktree import ROOT, checkout, resolve, this_checkout
 RUN_CLI = "import sys; from jetflow.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -51,21 +50,10 @@ def main() -> int:
     args = ap.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     out = args.out.resolve()
-    commit = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        base_tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), commit], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            bench(base_tree, bench_args, out / "base", commit)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False,
-                           capture_output=True)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "jetflow"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout.strip())
-    bench(ROOT, bench_args, out / "new", head + ("+uncommitted" if dirty else ""))
+    commit = resolve(args.base)
+    with checkout(commit) as base_tree:
+        bench(base_tree, bench_args, out / "base", commit)
+    bench(ROOT, bench_args, out / "new", this_checkout())
     base, new = runs(out / "base"), runs(out / "new")
     table = {}
     for name in sorted(set(base) & set(new)):

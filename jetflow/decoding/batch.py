@@ -45,8 +45,7 @@ class BatchRequest:
     _prefill_s: float = 0.0
     _cached: int = 0  # prompt tokens taken from the batch's prefix cache
     _drafted_last: bool = False  # its previous round drafted (its draft then projects that round's rows only)
-    _draft_ms: float = 0.0  # this round's draft (head forward + tree build), when it drafted
-    _build_ms: float = 0.0  # ... of which the tree build
+    _build_ms: float = 0.0  # this round's tree build, when it drafted
 
     @property
     def finished(self) -> bool:
@@ -182,7 +181,6 @@ class BatchDecoder:
                 with r.stats.timed("tree"):
                     trees[r.id] = proposal.tree(n)
                     r._build_ms = (time.perf_counter() - t_build) * 1e3
-                    r._draft_ms = (t_drafted - t_propose) * 1e3 + r._build_ms
                     if self.batch.chains_only:  # the backend verifies one path per request
                         trees[r.id] = trees[r.id].main_chain()
                 if r.budget is None:
@@ -214,7 +212,7 @@ class BatchDecoder:
                 other_ms = other_s * 1e3 - (r._build_ms if r in drafts else 0.0)
                 timed = r in drafts and r._drafted_last  # as the single-stream loop times drafts
                 self.load_budget.observe(tree, paths[r.id], other_ms, verify_s * 1e3,
-                                         draft_ms=r._draft_ms if timed else None,
+                                         draft_ms=(t_drafted - t_propose) * 1e3 + r._build_ms if timed else None,
                                          drafted_nodes=nodes[drafts.index(r)] if timed else None)
             elif r.id in shared_ids:
                 self.load_budget.observe(tree, paths[r.id])

@@ -81,16 +81,16 @@ def speculative_stream(
             if tree is PLAIN:
                 tree = DraftTree.root_only(root)
         before = dict(stats.seconds)
-        drafted, nodes = tree is None, None
+        drafted, nodes, build_ms = tree is None, None, 0.0
         if drafted:
             stats.round_kinds["drafted"] += 1
             nodes = budget if adaptive is None else adaptive.draft_nodes()
             with stats.timed("draft"):
                 proposal = drafter.propose(root, target.past_len, room, width, max_nodes=nodes)
-            build_start = time.perf_counter()
             with stats.timed("tree"):
+                t = time.perf_counter()
                 tree = proposal.tree(nodes)
-                built = time.perf_counter()
+                build_ms = (time.perf_counter() - t) * 1e3
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
                     tree = tree.prefix(adaptive.choose(tree) + 1)
         cells = target.tree_room()
@@ -101,7 +101,6 @@ def speculative_stream(
             spent = {phase: (stats.seconds[phase] - before[phase]) * 1e3 for phase in before}  # this round, ms
             # A draft's time as the cost curve takes it: projection, head forward and tree build (the
             # build is priced with the draft, so the rest of the round leaves it out).
-            build_ms = (built - build_start) * 1e3 if drafted else 0.0
             timed_draft = drafted and drafted_last
             adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
                              verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
