@@ -61,9 +61,13 @@ class JetFlow:
         self.lookup = lookup and head is not None
         self.drafter = (make_drafter(head, target, int8=self.int8_draft, lookup=self.lookup, refine=refine)
                         if head is not None else drafter)
+        headless = self.drafter is not None and getattr(self.drafter, "head", None) is None  # e.g. prompt lookup
         if budget is None:
             budget = DEFAULT_CPU_BUDGET if target.device.type == "cpu" else DEFAULT_BUDGET
+            if headless and budget == "auto":  # `auto` prices a head's drafts: a chain drafter offers its whole chain
+                budget = getattr(self.drafter, "max_draft", DEFAULT_BUDGET)
         self.budget, self.width = _check_tree_args(budget, width)
+        self._check_auto(self.budget)
         self.drafter_path: str | None = None  # where the head was loaded from, if from disk
         self.cost_cache = Path(cost_cache) if cost_cache else cache_root() / "costs"
         self._adaptive: AdaptiveBudget | None = None
@@ -73,13 +77,18 @@ class JetFlow:
         self._lock = threading.Lock()
         self._requests = 0
 
+    def _check_auto(self, budget) -> None:
+        if budget == "auto" and self.drafter is not None and getattr(self.drafter, "head", None) is None:
+            raise InvalidRequestError(f"budget 'auto' prices a draft head's trees; this decoder's drafter "
+                                      f"({type(self.drafter).__name__}) has none: give a fixed budget")
+
     def adaptive_budget(self) -> AdaptiveBudget:
         """The budget chooser of ``budget="auto"``: made on first use from the machine's cost curve
         (measured once, then read from ``cost_cache``); its acceptance counts persist across calls."""
         if self._adaptive is None:
             costs = cached_costs(self.target, self.drafter, self.cost_cache, width=self.width,
                                  log=lambda m: print(f"jetflow: {m}", file=sys.stderr))
-            self._adaptive = AdaptiveBudget(CostCurve(costs))
+            self._adaptive = AdaptiveBudget(CostCurve(costs), max_budget=max(costs["verify_ms"]))  # (sizes measured)
             if self.auto_state is not None:
                 name = f"auto-state-{costs['cache_digest']}-{_head_digest(self.drafter.head)}.json"
                 self._state_path = self.auto_state / name
@@ -144,6 +153,7 @@ class JetFlow:
         ``width`` override the decoder's for this request."""
         budget, width = _check_tree_args(self.budget if budget is None else budget,
                                          self.width if width is None else width)
+        self._check_auto(budget)
         check_request_options(request, also=("budget", "width", "stream (generate)"))
         prompt_ids, params, output = prepare_request(self.target, prompt, **request)
         with self._lock:

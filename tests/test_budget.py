@@ -165,6 +165,46 @@ def test_auto_budget_is_lossless_and_its_cost_curve_is_cached(tiny_dir, tmp_path
         jetflow.JetFlow(target, head, budget="fast")
 
 
+def test_auto_on_a_small_context_or_batch_prices_the_trees_it_can_verify(tiny_dir, tmp_path, monkeypatch):
+    """The cost curve's prefix, the tokens its timed drafts commit and its biggest tree must fit the
+    target's context (and llama.cpp's batch): otherwise every `auto` request failed in the measurement."""
+    from types import SimpleNamespace
+
+    fit = costs_mod.fitting_costs
+    assert fit(SimpleNamespace(max_context=4096), 256, 5, costs_mod.COST_BUDGETS) == (256, costs_mod.COST_BUDGETS)
+    assert fit(SimpleNamespace(max_context=4096, n_batch=16), 256, 5, costs_mod.COST_BUDGETS) == (256, [1, 2, 4, 8])
+    assert fit(SimpleNamespace(max_context=128), 256, 5, costs_mod.COST_BUDGETS) == (32, [1, 2, 4, 8, 16, 24, 32, 48, 64])
+    with pytest.raises(ValueError, match="context is 16 tokens"):
+        fit(SimpleNamespace(max_context=16), 256, 5, costs_mod.COST_BUDGETS)
+    target = TargetModel.load(str(tiny_dir))
+    target.max_context = 128
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    real = costs_mod.measure_costs
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: real(*a, **dict(k, reps=1)))
+    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
+    ar = jetflow.generate(target, "hello", max_new_tokens=24)
+    assert jf.generate("hello", max_new_tokens=24).token_ids == ar.token_ids
+    assert jf.adaptive_budget().max_budget == 64
+
+
+def test_prompt_lookup_alone_decodes_with_a_fixed_budget_and_refuses_auto(tiny_dir):
+    """`auto` prices a head's drafts: a decoder whose drafter has no head (prompt lookup) defaults to
+    the whole lookup chain, and an explicit 'auto' is refused by name instead of failing inside."""
+    from jetflow.decoding.lookup_drafter import MAX_DRAFT, LookupDrafter
+    from jetflow.errors import InvalidRequestError
+
+    target = TargetModel.load(str(tiny_dir))
+    jf = jetflow.JetFlow(target, drafter=LookupDrafter(target))
+    assert jf.budget == MAX_DRAFT
+    ar = jetflow.generate(target, "hello hello hello", max_new_tokens=24)
+    assert jf.generate("hello hello hello", max_new_tokens=24).token_ids == ar.token_ids
+    with pytest.raises(InvalidRequestError, match="budget 'auto' prices a draft head's trees"):
+        jf.generate("hi", budget="auto")
+    with pytest.raises(InvalidRequestError, match="LookupDrafter"):
+        jetflow.JetFlow(target, drafter=LookupDrafter(target), budget="auto")
+
+
 def test_auto_keeps_what_it_learned_between_decoders_when_asked(tiny_dir, tmp_path, capsys):
     """With ``auto_state`` a decoder saves what `auto` learned after each request and a new one for
     the same curve and head resumes it; another head starts fresh; a damaged file is ignored with a
@@ -649,6 +689,18 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
             fresh.load_state({**state, "_draft_count": bad})
     with pytest.raises(ValueError, match="_scale_count"):
         fresh.load_state({**state, "_scale_count": [3, -2]})
+    # Every other saved value is checked too: a damaged file would otherwise load, fail every
+    # request, and never be replaced (it is saved only when a request completes).
+    chains = state["chain_explorer"]
+    for field, bad in [("overhead_ms", None), ("plain_overhead_ms", -1.0), ("draft_rate", "x"),
+                       ("head_gain", float("inf")), ("_explore_gap", 0), ("_recent_choice", None),
+                       ("_rounds", 1.5), ("_featureless", -1), ("_reprobing", 1),
+                       ("hits", [[float("nan")] * fresh.bins] * (fresh.max_depth + 1))]:
+        with pytest.raises(ValueError, match=field):
+            fresh.load_state({**state, field: bad})
+    for field, bad in [("_gap", 0), ("_since", None), ("_prefer", "yes"), ("decisions", -3)]:
+        with pytest.raises(ValueError, match=f"chain_explorer.{field}"):
+            fresh.load_state({**state, "chain_explorer": {**chains, field: bad}})
     assert fresh.draft_cost(4) == pytest.approx(4.0)  # nothing of a refused state was taken
 
 

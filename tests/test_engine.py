@@ -140,3 +140,114 @@ def test_serve_reports_a_failed_load_from_the_engine_thread():
 
     with pytest.raises(JetFlowError, match="nowhere"):
         start_engine(load)
+
+
+async def outcome(job):
+    """("text", result) once a job is done, else (kind, payload) of the event that ended it."""
+    parts = []
+    while True:
+        kind, payload = await job.events.get()
+        if kind == "delta":
+            parts.append(payload)
+        elif kind == "done":
+            return "".join(parts), payload
+        else:
+            return kind, payload
+
+
+def run_worker(engine) -> threading.Thread:
+    def work():
+        try:
+            engine.run()
+        except BaseException:  # a worker that dies re-raises; what it left behind is under test
+            pass
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_request_that_fails_to_join_leaves_the_others_joining_with_it_as_they_were(jf):
+    """Several jobs admitted together, one of which fails its setup: the others are added again on
+    their own, each with exactly its solo output (no first token twice), also one that finishes at
+    once (max_tokens 1), and the failing one gets its error."""
+    from jetflow.serve.engine import Engine
+
+    enc = jf.target.tokenizer.encode
+    specs = [("The sea", 1), ("Why is", 6), ("Once upon", 6)]
+    alone = [jf.generate(enc(p), max_new_tokens=n).text for p, n in specs]
+    engine = Engine(jf, max_batch=4, start=False)
+    make, calls = engine._decoder._new_drafter, []
+
+    def flaky(view):  # the second request's setup fails, in the batch and again on its own
+        calls.append(view)
+        if len(calls) in (2, 4):
+            raise RuntimeError("drafter setup failed")
+        return make(view)
+
+    engine._decoder._new_drafter = flaky
+
+    async def main():
+        jobs = [engine.submit(enc(p), {"max_new_tokens": n}) for p, n in specs]  # queued before the worker runs
+        run_worker(engine)
+        return [await outcome(job) for job in jobs]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert results[0][0] == alone[0] and results[2][0] == alone[2]
+    assert results[1][0] == "error" and "drafter setup failed" in str(results[1][1])
+    assert engine._decoder.active == []
+
+
+def test_a_failed_batch_step_is_a_server_error_and_a_dead_worker_fails_every_job(jf):
+    from jetflow.serve.engine import Engine, EngineStopped, StepFailed
+
+    enc = jf.target.tokenizer.encode
+    alone = jf.generate(enc("The sea"), max_new_tokens=5).text
+    engine = Engine(jf, max_batch=4, start=False)
+    old, closed = engine._decoder, []
+
+    def broken_step():
+        raise RuntimeError("kernel fault")
+
+    old.step, old.close = broken_step, lambda: closed.append(True)
+
+    async def first():
+        job = engine.submit(enc("The sea"), {"max_new_tokens": 5})
+        run_worker(engine)
+        failed = await outcome(job)
+        served = await outcome(engine.submit(enc("The sea"), {"max_new_tokens": 5}))
+        return failed, served
+
+    try:
+        (kind, error), (text, _) = asyncio.run(first())
+    finally:
+        engine.shutdown()
+    assert kind == "error" and isinstance(error, StepFailed) and "kernel fault" in str(error)
+    assert closed and engine._decoder is not old  # the old batch freed, the new one kept
+    assert text == alone  # and the worker went on serving
+
+    # A worker that dies (here before its first step) answers what was queued, and nothing is queued after.
+    engine = Engine(jf, max_batch=4, start=False)
+
+    def dead():
+        raise MemoryError("no room for a new batch")
+
+    engine._work_batched = dead
+
+    async def second():
+        jobs = [engine.submit(enc(p), {"max_new_tokens": 5}) for p in ("a b", "c d")]
+        run_worker(engine).join(10)
+        return [await outcome(job) for job in jobs]
+
+    results = asyncio.run(second())
+    assert all(kind == "error" and isinstance(e, EngineStopped) and "MemoryError" in str(e) for kind, e in results)
+    assert "no room" in engine.failure
+
+    async def third():
+        engine.submit(enc("e f"), {"max_new_tokens": 5})
+
+    with pytest.raises(EngineStopped, match="worker stopped"):
+        asyncio.run(third())

@@ -170,6 +170,15 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ({**CHAT, "presence_penalty": 0.5}, None, 400, "'presence_penalty' is not supported"),
     ({**CHAT, "stream": True, "stream_options": {"include_usage": "no"}}, None, 400,
      "'stream_options.include_usage' must be a boolean"),
+    ({**CHAT, "stream": True, "stream_options": []}, None, 400, "'stream_options' must be an object"),
+    # JSON that Python's reader refuses, and numbers no float holds: 400s, not 500s
+    (None, b'{"model": "tiny", "max_tokens": 1' + b"0" * 5000 + b"}", 400, "could not be read"),
+    (None, b'{"model": "tiny", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    (None, b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 1'
+     + b"0" * 400 + b"}", 400, "'temperature' must be in [0.0, 2.0]"),
+    (None, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 404, "The model '\\ud800' does not"),
+    ({**CHAT, "tool_choice": "required"}, None, 400, "'tool_choice' is not supported"),
+    ({**CHAT, "top_k": "few"}, None, 400, "'top_k' must be an integer"),
 ])
 def test_bad_input_gets_openai_shaped_4xx_and_the_server_stays_up(server, body, raw, status, message):
     r = post(server, "/v1/chat/completions", body, raw=raw)
@@ -181,7 +190,8 @@ def test_bad_input_gets_openai_shaped_4xx_and_the_server_stays_up(server, body, 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):
     body = {**CHAT, "echo": False, "logprobs": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "logit_bias": {}, "response_format": {"type": "text"}, "seed": -2 ** 63}
+            "logit_bias": {}, "response_format": {"type": "text"}, "seed": -2 ** 63, "tool_choice": "none",
+            "modalities": ["text"], "stream": None, "stream_options": None, "top_k": -1}
     assert post(server, "/v1/chat/completions", body).status_code == 200
     r = post(server, "/v1/completions", None, raw=b'{"model": "tiny", "max_tokens": 2, "prompt": "ab\\ud800"}')
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -446,3 +456,76 @@ def test_batched_server_cancels_on_disconnect_and_drains_on_sigterm(endless_dir,
     assert proc.wait(timeout=60) == 0
     assert out["go"][0] == 200 and out["go"][1]["usage"]["completion_tokens"] == 300
     assert out["run"][0] == 200 and out["run"][1]["usage"]["completion_tokens"] == 200
+
+
+class RecordingEngine:
+    """Stands in for the engine behind the HTTP app (no model): records the jobs it is given, which
+    never produce an event, so only the app's own handling of a request is under test."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from tiny import byte_tokenizer
+
+        self.jetflow = SimpleNamespace(target=SimpleNamespace(tokenizer=byte_tokenizer(), max_context=512))
+        self.metrics, self.queue_depth, self.jobs, self.failure = None, 0, [], None
+
+    def submit(self, ids, request):
+        from jetflow.serve.engine import Job
+
+        job = Job(ids, request, asyncio.get_running_loop())
+        self.jobs.append(job)
+        return job
+
+    def shutdown(self, *args):
+        pass
+
+
+def call_app(app, method: str, path: str, body: bytes = b"", then_disconnect: bool = False) -> list[dict]:
+    """Drive an ASGI app in-process (ASGI spec 2.3, as uvicorn reports it): the messages it sent."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    if then_disconnect:
+        messages.append({"type": "http.disconnect"})
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more comes
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_a_stream_whose_client_left_before_it_began_is_cancelled_and_counted_499():
+    """The client is gone by the time the stream would start (Starlette then cancels the stream
+    before its generator first runs, so the generator's own cleanup never runs): the job must still
+    be cancelled, or it generates to max_tokens for nobody, holding a batch slot."""
+    from jetflow.serve.app import create_app
+    from jetflow.serve.metrics import Metrics
+
+    engine, metrics = RecordingEngine(), Metrics()
+    app = create_app(engine, "tiny", metrics=metrics)
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": True}).encode()
+    call_app(app, "POST", "/v1/completions", body, then_disconnect=True)
+    assert len(engine.jobs) == 1 and engine.jobs[0].cancelled.is_set()
+    assert metrics.cancelled == 1
+    assert 'jetflow_requests_total{endpoint="/v1/completions",status="499"} 1' in metrics.render(0, 0)
+
+
+def test_health_is_503_once_the_worker_has_died():
+    from jetflow.serve.app import create_app
+
+    engine = RecordingEngine()
+    app = create_app(engine, "tiny")
+    assert call_app(app, "GET", "/health")[0]["status"] == 200
+    engine.failure = "the generation worker stopped: MemoryError: no room"
+    sent = call_app(app, "GET", "/health")
+    assert sent[0]["status"] == 503 and b"MemoryError" in sent[1]["body"]

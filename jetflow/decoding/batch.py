@@ -104,23 +104,21 @@ class BatchDecoder:
             request._generator = request.params.make_generator(self.target.device)
         joined = self.batch.join_many([r.prompt_ids for r in requests])
         prefill_s = time.perf_counter() - t0
-        for k, (request, (row_id, out)) in enumerate(zip(requests, joined)):
-            request.id = row_id
-            if hasattr(self.batch, "cached_prompt_tokens"):
-                request._cached = self.batch.cached_prompt_tokens(row_id)
-            try:
+        try:  # all or nothing: each request is set up before any of them is running
+            for request, (row_id, out) in zip(requests, joined):
+                request.id = row_id
+                if hasattr(self.batch, "cached_prompt_tokens"):
+                    request._cached = self.batch.cached_prompt_tokens(row_id)
                 if self.head is not None and request.budget != 0:
                     request._drafter = self._new_drafter(_RowView(self.batch, request.id))
                     request._drafter.reset()
                     request._drafter.extend(out.hidden)
                 request.root = next_token(out.logits[-1], request.params, request._generator)
-            except Exception:  # all or nothing: the batch never holds a row without its request
-                for earlier in requests[:k]:
-                    if earlier in self.active:
-                        self.cancel(earlier)
-                for later, _ in joined[k:]:
-                    self.batch.leave(later)
-                raise
+        except Exception:  # the batch keeps no row of them, and no output has a token yet: they can be added again
+            for row_id, _ in joined:
+                self.batch.leave(row_id)
+            raise
+        for request in requests:
             request._prefill_s = prefill_s
             request.output.add(request.root)
             self.active.append(request)
@@ -137,6 +135,12 @@ class BatchDecoder:
             return self._template.fork(view)
         return make_drafter(self.head, view, int8=self.int8, lookup=self.lookup)
 
+    def close(self) -> None:
+        """Free the batch's own runtime resources now (a llama.cpp context), not when collected."""
+        self.active.clear()
+        if hasattr(self.batch, "close"):
+            self.batch.close()
+
     def cancel(self, request: BatchRequest) -> None:
         """Drop a request between two steps (client gone)."""
         if request in self.active:
@@ -151,6 +155,7 @@ class BatchDecoder:
                 r.output.finish("length")
                 done.append(self._finish(r))
         if not self.active:
+            self.last_step = {"batch": 0, "tokens": 0, "nodes": 0}  # nothing verified
             return done
         trees, shared = {}, []  # shared: requests sized by the load budget
         auto = [r for r in self.active if r.budget is None and r._drafter is not None]

@@ -54,6 +54,11 @@ from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
 from jetflow.tree.build import DraftTree
 
 
+def _finite(value) -> bool:
+    """A finite JSON number (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _weight(count: int) -> float:
     """A measured ratio's weight in its running mean after ``count`` measurements: the mean of the
     first 20, then a running mean over about 20 (a machine's speed drifts)."""
@@ -159,18 +164,34 @@ class AdaptiveBudget:
                     or any(not isinstance(row, list) or len(row) != self.bins for row in table)):
                 raise ValueError(f"{name}: expected {self.max_depth + 1} rows of {self.bins} counts")
             values[name] = [[float(x) for x in row] for row in table]
-        if any(t <= 0 for row in values["trials"] for t in row):
+        if any(not math.isfinite(t) or t <= 0 for row in values["trials"] for t in row):
             raise ValueError("trials: counts must be positive")
+        if any(not math.isfinite(h) or h < 0 for row in values["hits"] for h in row):
+            raise ValueError("hits: counts must be finite and >= 0")
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
-        for name, value in (("_scale_count", values["_scale_count"][0]), ("_scale_count", values["_scale_count"][1]),
-                            ("_draft_count", values["_draft_count"])):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected counts >= 0, got {value!r}")
+        counts = [("_scale_count", c) for c in values["_scale_count"]] + [
+            (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_gains", "_featureless",
+                                              "_reprobe_doublings", "_recent_choice")] + [
+            (f"chain_explorer.{name}", explorer[name]) for name in ("_since", "decisions")]
+        gaps = [("_explore_gap", values["_explore_gap"]), ("chain_explorer._gap", explorer["_gap"])]
+        for (name, value), least in [(c, 0) for c in counts] + [(g, 1) for g in gaps]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
         for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
-            value = values[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}: expected a positive ratio, got {value!r}")
+            if not _finite(values[name]) or values[name] <= 0:
+                raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")
+        for name in ("overhead_ms", "plain_overhead_ms"):
+            if not _finite(values[name]) or values[name] < 0:
+                raise ValueError(f"{name}: expected milliseconds >= 0, got {values[name]!r}")
+        for name in ("draft_rate", "head_gain"):  # None until measured
+            if values[name] is not None and not _finite(values[name]):
+                raise ValueError(f"{name}: expected a number or null, got {values[name]!r}")
+        for name, value in (("_reprobing", values["_reprobing"]), ("chain_explorer._prefer", explorer["_prefer"])):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: expected true or false, got {value!r}")
+        if not all(math.isfinite(rate) for rate in rates.values()):
+            raise ValueError("chain_explorer.rates: expected finite rates")
         for name, value in values.items():
             setattr(self, name, value)
         for name, value in explorer.items():

@@ -217,6 +217,7 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
     from jetflow.eval.machine import cpu_name
     from jetflow.utils.fs import write_json_atomic
 
+    context, budgets = fitting_costs(target, context, reps, budgets)
     c = drafter.head.config
     key = {"target": target.name, "kind": c.kind, "width": width, "device": str(target.device), "dtype": str(target.dtype),
            "threads": torch.get_num_threads(), "cpu": cpu_name(), "layers": c.num_hidden_layers,
@@ -260,6 +261,24 @@ def cached_costs(target: TargetBackend, drafter: Drafter, cache_dir: str | Path,
             log(f"cost curve looks disturbed ({reason}); measuring again")
     write_json_atomic(path, {"key": key, "costs": costs})
     return {**costs, "cache_digest": digest}  # names the curve (what `auto` learns is kept per curve)
+
+
+def fitting_costs(target: TargetBackend, context: int, reps: int, budgets) -> tuple[int, list[int]]:
+    """The measurement's prefix length and the budgets it can time on ``target``: a prefix of at
+    most a quarter of the context, and trees that fit after it and the 2 * (reps + 1) tokens the
+    timed drafts commit, and in one verify (llama.cpp's batch). A target with a small context or
+    batch is then priced over the sizes it can run (``auto`` chooses among those) instead of failing
+    every request in the measurement."""
+    context = max(1, min(context, target.max_context // 4))
+    room = target.max_context - context - 2 * (reps + 1) - 1  # nodes a tree may have after the prefix
+    batch = getattr(target, "n_batch", None)
+    if batch is not None:
+        room = min(room, batch - 1)
+    fitting = [b for b in budgets if b <= room]
+    if not fitting:
+        raise ValueError(f"budget 'auto' needs a target that verifies a tree of at least {min(budgets) + 1} tokens "
+                         f"after a {context}-token prefix; this one's context is {target.max_context} tokens")
+    return context, fitting
 
 
 def _int_keys(costs: dict) -> dict:

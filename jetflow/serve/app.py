@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from jetflow.decoding.prompt import encode_prompt
 from jetflow.decoding.result import GenerationResult
 from jetflow.errors import InvalidRequestError
-from jetflow.serve.engine import Engine, EngineStopped, QueueFull
+from jetflow.serve.engine import Engine, EngineStopped, QueueFull, StepFailed
 from jetflow.serve.errors import APIError, bad_request
 from jetflow.serve.metrics import Metrics
 from jetflow.serve.protocol import GenerationRequest, parse_body, parse_request
@@ -80,6 +80,8 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        if engine.failure is not None:  # the worker died: nothing will be answered (load balancers look here)
+            return JSONResponse({"status": "failed", "model": model_name, "error": engine.failure}, status_code=503)
         return {"status": "ok", "model": model_name, "queue_depth": engine.queue_depth}
 
     @app.get("/metrics")
@@ -137,7 +139,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         ids, max_tokens = await asyncio.to_thread(encode, req)
         try:
             job = engine.submit(ids, {"max_new_tokens": max_tokens, "temperature": req.temperature,
-                                      "top_p": req.top_p, "seed": req.seed, "stop": req.stop})
+                                      "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": req.stop})
         except QueueFull:
             raise APIError(429, f"the server is busy ({engine.queue_depth} requests queued); retry later",
                            type="rate_limit_error", code="queue_full",
@@ -186,8 +188,10 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             except ClientGone:
                 return Response(status_code=499)
             if req.stream:
-                return StreamingResponse(stream_events(req, job, request.scope), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                progress = {"started": False}
+                return JobStream(stream_events(req, job, request.scope, progress),
+                                 lambda: stream_never_started(job, request.scope, progress),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
                 result = await run_to_end(job, request)
             except ClientGone:
@@ -195,6 +199,8 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                 return Response(status_code=499)  # nginx's "client closed request": sent to nobody, counted
             except EngineStopped as e:
                 raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+            except StepFailed as e:  # the whole batch's step: not this request's fault
+                raise APIError(500, str(e), type="server_error") from None
             except InvalidRequestError as e:
                 raise bad_request(str(e)) from None
             finish(result)
@@ -211,7 +217,16 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         finally:
             state["in_flight"] -= 1
 
-    async def stream_events(req: GenerationRequest, job, scope: dict):
+    def stream_never_started(job, scope: dict, progress: dict) -> None:
+        """A stream whose client left before it began (Starlette cancels it at once): its generator
+        never ran, nor its cleanup, so the job is cancelled here, or it would generate for nobody."""
+        if not progress["started"]:
+            job.cancel()
+            metrics.cancel()
+            scope[CLIENT_GONE] = True
+
+    async def stream_events(req: GenerationRequest, job, scope: dict, progress: dict):
+        progress["started"] = True
         rid, created = _ids(req.kind)
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         state["in_flight"] += 1
@@ -224,7 +239,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], **extra}
             return f"data: {json.dumps(body)}\n\n"
 
-        finished = False
+        finished = generated = False  # the stream ended as it should / the job's result is in (and counted)
         try:
             if req.kind == "chat":
                 yield chunk({"role": "assistant", "content": ""})
@@ -234,6 +249,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                     yield chunk({"content": payload} if req.kind == "chat" else payload)
                 elif kind == "done":
                     finish(payload)
+                    generated = True
                     yield chunk(None, payload.finish_reason, jetflow=jetflow_stats(payload))
                     if req.include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
@@ -253,7 +269,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             raise
         finally:
             state["in_flight"] -= 1
-            if not finished:  # stop generating for nobody
+            if not finished and not generated:  # stop generating for nobody
                 job.cancel()
                 metrics.cancel()
 
@@ -334,6 +350,21 @@ class CleanExitServer(uvicorn.Server):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+class JobStream(StreamingResponse):
+    """A job's SSE response that calls ``on_end`` however it ends, also when it is cancelled before
+    its body generator first runs (a closed, never-started generator runs no ``finally``)."""
+
+    def __init__(self, content, on_end: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 class ClientGone(Exception):

@@ -38,6 +38,11 @@ class EngineStopped(Exception):
     pass
 
 
+class StepFailed(Exception):
+    """A decoding step of the whole batch failed: every job in it gets this (a server error, not the
+    fault of any one request)."""
+
+
 @dataclass(eq=False)  # hashed and compared by identity
 class Job:
     prompt_ids: list[int]
@@ -70,7 +75,8 @@ class Engine:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
-        self._running: set[Job] = set()
+        self._running: set[Job] = set()  # jobs taken from the queue and not yet answered
+        self.failure: str | None = None  # why the worker stopped, if it died (the server then answers 503)
         self.job_seconds = 1.0  # running mean of a job's duration (for Retry-After)
         self._load_budget = None  # the batch's budget under load: one for the server's lifetime, so what it learned stays
         if self.max_batch > 1:
@@ -88,8 +94,26 @@ class Engine:
         """The worker loop, in the calling thread, until :meth:`shutdown` (``start=False`` engines)."""
         try:
             (self._work_batched if self.max_batch > 1 else self._work)()
+        except BaseException as e:  # the worker died: nobody would answer what is queued or comes next
+            self.failure = f"the generation worker stopped: {type(e).__name__}: {e}"
+            self._accepting = False
+            self._fail_all(EngineStopped(self.failure))
+            raise
         finally:
             self._stopped.set()
+
+    def _fail_all(self, error: Exception) -> None:
+        """Answer every job taken from the queue and every queued one with ``error``."""
+        for job in list(self._running):
+            job._emit("error", error)
+        self._running.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job._emit("error", error)
 
     @property
     def queue_depth(self) -> int:
@@ -97,7 +121,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], request: dict) -> Job:
         if not self._accepting:
-            raise EngineStopped("the server is shutting down")
+            raise EngineStopped(self.failure or "the server is shutting down")
         job = Job(prompt_ids, request, asyncio.get_running_loop(), id=next(self._ids))
         try:
             self._queue.put_nowait(job)
@@ -238,13 +262,17 @@ class Engine:
             try:
                 decoder.step()
             except Exception as e:  # reported to every job in the batch; the worker keeps serving
+                error = StepFailed(f"a decoding step of the batch failed: {type(e).__name__}: {e}")
                 for req, job, _ in jobs.values():
-                    job._emit("error", e)
+                    job._emit("error", error)
                     self._running.discard(job)
                 jobs.clear()
-                decoder = self._new_decoder()  # the failed step may have left the batch half-committed
+                # The failed step may have left the batch half-committed: a new one, the old one's
+                # context freed first (two would hold the memory twice).
+                decoder.close()
+                decoder = self._decoder = self._new_decoder()
                 continue
-            if self.metrics is not None:
+            if self.metrics is not None and decoder.last_step["batch"]:  # (a step may only finish full contexts)
                 self.metrics.step(**decoder.last_step)
             for key in list(jobs):
                 settle(key)

@@ -88,7 +88,7 @@ class Metrics:
                       "# HELP jetflow_generated_tokens_total Tokens generated.",
                       "# TYPE jetflow_generated_tokens_total counter",
                       f"jetflow_generated_tokens_total {self.completion_tokens}",
-                      "# HELP jetflow_cancelled_total Generations cancelled (client gone or shutdown).",
+                      "# HELP jetflow_cancelled_total Generations cancelled because their client went away (HTTP 499).",
                       "# TYPE jetflow_cancelled_total counter", f"jetflow_cancelled_total {self.cancelled}",
                       "# HELP jetflow_queue_depth Requests waiting for the generation worker.",
                       "# TYPE jetflow_queue_depth gauge", f"jetflow_queue_depth {queue_depth}",

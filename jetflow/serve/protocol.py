@@ -20,7 +20,8 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 # any other value is refused (400) rather than silently ignored.
 UNSUPPORTED = {"echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "suffix": ("",),
                "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],),
-               "functions": ([],), "response_format": ({"type": "text"},)}
+               "functions": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+               "response_format": ({"type": "text"},), "modalities": (["text"],)}
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GenerationRequest:
     max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # not OpenAI's; vLLM's and llama.cpp's servers take it too (0: off)
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     stream: bool = False
@@ -48,6 +50,10 @@ def parse_body(raw: bytes, max_bytes: int) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:  # valid JSON that Python will not read: an integer of more than 4,300 digits
+        raise bad_request(f"request body could not be read: {e}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -57,9 +63,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                           and not math.isfinite(value)):
         raise bad_request(f"'{name}' must be a number, got {json.dumps(value)}", name)
-    if value < low or (low_open and value == low) or value > high:
+    if value < low or (low_open and value == low) or value > high:  # (exact for any int: no float conversion)
         interval = f"{'(' if low_open else '['}{low}, {high}]"
         raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
     return float(value)
@@ -144,7 +151,7 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")
     if model not in models:
-        raise APIError(404, f"The model '{model}' does not exist; this server has: {', '.join(sorted(models))}",
+        raise APIError(404, f"The model {ascii(model)} does not exist; this server has: {', '.join(sorted(models))}",
                        param="model", code="model_not_found")
     _unsupported(body)
     prompt = _messages(body) if kind == "chat" else _prompt(body)
@@ -164,10 +171,12 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
         raise bad_request(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
     for i, s in enumerate(stop):
         _text(s, f"stop[{i}]", "stop")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null is the default, as for every other parameter
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = options.get("include_usage", False)
@@ -178,4 +187,5 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
         kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(0, _integer(body, "top_k", -1, 2**31 - 1) or 0),  # -1 is vLLM's "off"
         stop=stop, seed=_integer(body, "seed", *SEED_RANGE), stream=stream, include_usage=include_usage)
