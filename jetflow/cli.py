@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -177,8 +178,8 @@ def _add_auto_state_arg(p: argparse.ArgumentParser, note: str = "") -> None:
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     """What generate and chat decode with: length, sampling, stops, the drafter and its trees."""
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
+    p.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_number, default=1.0, help="nucleus sampling (default: %(default)s, off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable); \\n, \\t, \\r and \\\\ are escapes")
@@ -213,6 +214,17 @@ def _comparison(spec, ar, drafter) -> str:
     same = "identical" if spec.token_ids == ar.token_ids else "DIFFERENT"
     lines.append(f"text: {same} ({len(ar.token_ids)} vs {len(spec.token_ids)} tokens); drafter: {drafter or 'none'}")
     return "\n".join(lines)
+
+
+def _number(text: str) -> float:
+    """A finite number (argparse's float takes nan and inf, which no option here means)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _int(text: str) -> int:
@@ -759,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--answers", choices=["target", "dataset"], default="target",
                    help="target: the target answers each prompt (default); dataset: keep the datasets' own "
                         "answers instead (the raw-data ablation; no generation)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
+    r.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy answers (default)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--exclude", type=_data_dir, action="append", default=[], metavar="DIR",
                    help="skip the prompts an earlier regeneration in DIR already answered (repeatable)")
@@ -777,12 +789,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle3: training-time-test unroll steps (0: the head's deepest level)")
     t.add_argument("--attention", choices=["causal", "bidirectional"], default="causal")
     t.add_argument("--loss", choices=["fkl", "sft", "rkl"], default="fkl")
-    t.add_argument("--kl-temperature", type=float, default=1.0)
-    t.add_argument("--gamma", type=float, default=0.0, help="depth weighting exp(-(k-1)/gamma); 0 = uniform")
+    t.add_argument("--kl-temperature", type=_number, default=1.0)
+    t.add_argument("--gamma", type=_number, default=0.0, help="depth weighting exp(-(k-1)/gamma); 0 = uniform")
     t.add_argument("--block-size", type=_positive_int, default=16)
     t.add_argument("--anchors-per-seq", type=_positive_int, default=16)
     t.add_argument("--layers", type=_positive_int, default=2)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--lr", type=_number, default=3e-4)
     t.add_argument("--epochs", type=_positive_int, default=1)
     t.add_argument("--batch", type=_positive_int, default=4, help="sequences per step and process")
     t.add_argument("--grad-accum", type=_positive_int, default=1)
@@ -791,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--eval-every", type=_positive_int, default=100)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="stop after this step (resumable)")
-    t.add_argument("--max-seconds", type=float, default=0.0,
+    t.add_argument("--max-seconds", type=_number, default=0.0,
                    help="training time budget: stop once this many seconds of training are spent, the "
                         "learning-rate schedule decaying over the budget (for heads compared at equal time; "
                         "0 = off)")
@@ -809,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feed-last-feature", action="store_true",
                    help="add the anchor embedding and the target feature before it to every slot's input")
     t.add_argument("--depth-embedding", action="store_true", help="learned per-depth embedding of the block slots")
-    t.add_argument("--dense-depth1", type=float, default=None, metavar="W",
+    t.add_argument("--dense-depth1", type=_number, default=None, metavar="W",
                    help="causal block heads: add W x the mean depth-1 loss over 2-slot blocks [anchor, MASK] at every "
                         "answer position (default 1 for causal block heads, else 0; 0 = off, the objective "
                         "before it became the default)")
@@ -817,11 +829,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the --dense-depth1 term over N random answer positions per sequence (0 = all of them)")
     t.add_argument("--embed-norm", action="store_true",
                    help="block heads: RMS-normalise the slots' token embeddings before the fused feature is added")
-    t.add_argument("--reveal", type=float, default=0.0, metavar="P",
+    t.add_argument("--reveal", type=_number, default=0.0, metavar="P",
                    help="causal block heads: in this share of the training blocks the first m slots (m uniform in "
                         "1..B-2) hold the true next tokens instead of MASK, training the head's second, "
                         "path-conditioned pass (`--refine` when decoding; 0 = off)")
-    t.add_argument("--slot-token-gain", type=float, default=1.0, metavar="G",
+    t.add_argument("--slot-token-gain", type=_number, default=1.0, metavar="G",
                    help="block heads: multiply the token embeddings of the slots after the anchor by G (revealed "
                         "path tokens are otherwise a small part of a slot's input; 1 = off)")
     t.add_argument("--shift-tokens", action="store_true",
@@ -955,7 +967,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass conditioning every node of the first pass's tree ('tree:N': N, each over the tree "
                         "the one before built; default 1)")
     _add_draft_weights_arg(b)
-    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: every output must equal ar's")
+    b.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy: every output must equal ar's")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per prompt (median kept)")

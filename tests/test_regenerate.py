@@ -73,6 +73,12 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
     with pytest.raises(JetFlowError, match="other settings"):
         regenerate(target, prompts(9), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                    sources="toy", progress=False)
+    reordered = prompts(7)[::-1]  # as many prompts, other ones or in another order (another --exclude)
+    with pytest.raises(JetFlowError, match="prompts_digest"):
+        regenerate(target, reordered, tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
+                   sources="toy", progress=False)
+    with pytest.raises(JetFlowError, match="leaves no room for a prompt"):
+        regenerate(target, prompts(7), tmp_path / "c", max_new_tokens=target.max_context, progress=False)
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["num_prompts"] == 7
     # The model's identity without runtime keys: data serves every runtime, older manifests still resume.

@@ -75,8 +75,66 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(target, data, tmp_path
         Trainer(target, seqs, tmp_path / "b", config(epochs=5)).resume()
     with pytest.raises(JetFlowError, match="other sequences"):  # e.g. a data directory that has grown
         Trainer(target, seqs + seqs[:1], tmp_path / "b", cfg).resume()
+    two = Trainer(target, seqs, tmp_path / "b", cfg)
+    two.world = 2  # as under torchrun with two processes
+    with pytest.raises(JetFlowError, match="trained by 1 processes; resume it with as many"):
+        two.resume()
     assert resumed.step == straight.step  # the refused runs left the saved one as it was
     assert Trainer(target, seqs, tmp_path / "b", cfg).resume()
+
+
+def test_a_kill_between_or_inside_the_two_saves_resumes_from_one_consistent_save(target, data, tmp_path):
+    """A checkpoint is two directory swaps (drafter, then trainer state): a kill after the drafter's
+    leaves it one save ahead of the optimizer and step, and a kill inside a swap leaves ``X.new`` /
+    ``X.old`` behind. A resume must continue from one save, as the uninterrupted run did."""
+    import shutil
+
+    seqs = load_sequences(data, target)
+    cfg = config(epochs=4, save_every=3)
+    straight = Trainer(target, seqs, tmp_path / "a", cfg)
+    straight.fit(log=lambda r: None)
+    run = tmp_path / "b"
+    Trainer(target, seqs, run, cfg).fit(max_steps=3, log=lambda r: None)
+    state_at_3 = tmp_path / "state-3"
+    shutil.copytree(run / "trainer_state", state_at_3)
+    on = Trainer(target, seqs, run, cfg)
+    assert on.resume()
+    on.fit(max_steps=6, log=lambda r: None)  # saved at step 6
+    # Killed after the drafter of step 6 was in place, before its state: the state is still step 3's,
+    # with a torn log line and a leftover staging copy of an interrupted swap.
+    shutil.rmtree(run / "trainer_state")
+    shutil.copytree(state_at_3, run / "trainer_state")
+    with open(run / "train_log.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')
+    (run / "drafter.old").mkdir()
+    (run / "drafter.old" / "config.json").write_text("{}")
+    resumed = Trainer(target, seqs, run, cfg)
+    assert resumed.resume() and resumed.step == 3 and not (run / "drafter.old").exists()
+    resumed.fit(log=lambda r: None)
+    for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    logged = [json.loads(line)["step"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, straight.step + 1))
+    # Killed inside the state's swap, after the old copy was moved aside and before the new one was
+    # put in place: the complete staged copy is the newer save, and the resume takes it.
+    (run / "trainer_state").rename(run / "trainer_state.new")
+    again = Trainer(target, seqs, run, cfg)
+    assert again.resume() and again.step == straight.step and (run / "trainer_state" / "state.pt").is_file()
+
+
+def test_an_out_holding_a_drafter_but_no_run_is_not_overwritten(target, data, tmp_path):
+    from jetflow.training.run import train_drafter
+
+    seqs_dir, run = data, tmp_path / "run"
+    Trainer(target, load_sequences(seqs_dir, target), run, config(epochs=1, save_every=1)).fit(max_steps=1, log=lambda r: None)
+    import shutil
+
+    shutil.rmtree(run / "trainer_state")  # e.g. a head copied there, or a first save cut short
+    before = (run / "drafter" / "model.safetensors").read_bytes()
+    for resume in (False, True):
+        with pytest.raises(JetFlowError, match="no training state to resume from"):
+            train_drafter(target, seqs_dir, run, config(epochs=1), resume=resume, max_steps=1)
+    assert (run / "drafter" / "model.safetensors").read_bytes() == before
 
 
 def test_several_data_directories_are_read_in_the_order_given(target, data, tmp_path):

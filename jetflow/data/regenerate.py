@@ -9,6 +9,7 @@ prompts of similar length and little padding. Each shard records the backend tha
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -43,18 +44,29 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
     shows why answers are regenerated."""
     if answers not in ("target", "dataset"):
         raise JetFlowError(f"answers must be 'target' or 'dataset', got {answers!r}")
+    # A prompt is kept only if its answer fits the context after it (training refuses longer sequences).
+    prompt_limit = min(max_prompt_tokens, target.max_context - max_new_tokens)
+    if prompt_limit < 1:
+        raise JetFlowError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's "
+                           f"context of {target.max_context} tokens")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     settings = {"target": model_identity(target), "sources": sources, "mix": mix, "num_prompts": len(prompts),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-                "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens}
+                "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens,
+                # which prompts, in which order: a resume whose prompts differ (another --exclude, an
+                # edited source) would put other prompts into the shards still to write
+                "prompts_digest": hashlib.sha1("\n".join(p.id for p in prompts).encode()).hexdigest()[:16]}
     if answers != "target":  # only recorded when not the default, so older manifests still resume
         settings["answers"] = answers
     old = read_manifest(out, REGENERATED)
     if old is not None:
         # (answers recorded only when not the default, so older manifests still resume)
-        conflict = settings_conflict({**old, "answers": old.get("answers", "target")}, {**settings, "answers": answers})
+        # (and the prompts' digest only when recorded: manifests from before it still resume)
+        conflict = settings_conflict({**old, "answers": old.get("answers", "target"),
+                                      "prompts_digest": old.get("prompts_digest", settings["prompts_digest"])},
+                                     {**settings, "answers": answers})
         if conflict is not None:
             raise JetFlowError(f"{out} holds a regeneration with other settings ({conflict}); "
                                "use a new --out directory")
@@ -71,8 +83,8 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
             continue
         t0 = time.perf_counter()
         encoded = [(p, encode_prompt(target.tokenizer, p.as_chat())) for p in chunk]
-        skipped = [p.id for p, ids in encoded if len(ids) > max_prompt_tokens]
-        encoded = sorted(((p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens), key=lambda x: len(x[1]))
+        skipped = [p.id for p, ids in encoded if len(ids) > prompt_limit]
+        encoded = sorted(((p, ids) for p, ids in encoded if len(ids) <= prompt_limit), key=lambda x: len(x[1]))
         generator = torch.Generator(device=target.device).manual_seed(seed * 100_003 + index)
         sequences = []
         if answers == "dataset":
@@ -84,8 +96,8 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
             encoded = []
         for b in range(0, len(encoded), batch_size):
             batch = encoded[b:b + batch_size]
-            answers = target.generate_batch([ids for _, ids in batch], max_new_tokens, temperature, generator)
-            sequences += [Sequence(p.id, ids + ans, len(ids)) for (p, ids), ans in zip(batch, answers)]
+            outputs = target.generate_batch([ids for _, ids in batch], max_new_tokens, temperature, generator)
+            sequences += [Sequence(p.id, ids + ans, len(ids)) for (p, ids), ans in zip(batch, outputs)]
             bar.update(len(batch))
         bar.update(len(skipped))
         write_shard(path, sequences, target.vocab_size)

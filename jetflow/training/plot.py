@@ -19,7 +19,12 @@ def plot_training_log(log_file: str | Path, png: str | Path) -> bool:
     log_file = Path(log_file)
     if not log_file.is_file():
         return False
-    records = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    records = []
+    for line in log_file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line a kill cut short (or blank)
+            continue
     if not records:
         return False
     evals = [r for r in records if "eval_loss" in r]

@@ -83,9 +83,17 @@ def train_drafter(target: TargetModel, data: str | Path | list[str | Path], out:
     head = warm_start_head(init_from, target, config) if init_from else None
     sequences = load_sequences(data, target, max_sequences)
     trainer = Trainer(target, sequences, out, config, head=head, teacher_cache=teacher_cache)
+    out = Path(out)
     if resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
-    elif (Path(out) / "trainer_state").exists() and not resume:
+    elif (out / "trainer_state").exists() and not resume:
         raise JetFlowError(f"{out} already holds a training run; pass --resume or choose another --out")
+    elif (out / "drafter").exists():  # a head without a run's state: its first save cut short, or put there
+        raise JetFlowError(f"{out / 'drafter'} holds a drafter but {out} has no training state to resume from; "
+                           "training would replace it: choose another --out (or move the drafter away)")
+    else:
+        if resume:
+            print(f"nothing to resume in {out}: training from step 0", file=sys.stderr)
+        (out / "train_log.jsonl").unlink(missing_ok=True)  # a log of a run that never saved: not this run's
     snapshots = tuple(max(1, round(f * trainer.total_steps)) for f in snapshot_at)
     return trainer.fit(max_steps=max_steps, snapshots=snapshots)

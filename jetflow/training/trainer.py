@@ -32,7 +32,7 @@ from jetflow.training.losses import LOSSES
 from jetflow.training.plot import plot_training_log
 from jetflow.training.teacher import CachedTeacher, OnlineTeacher
 from jetflow.training.teacher_cache import TeacherCache, tokens_digest
-from jetflow.utils.fs import read_manifest, replace_directory, write_text_atomic
+from jetflow.utils.fs import recover_directory, read_manifest, replace_directory, write_text_atomic
 
 # Head kind -> the loss of each sequence of a micro-batch (the block head drafts all depths at once;
 # the EAGLE head is unrolled).
@@ -106,6 +106,11 @@ class TrainConfig:
         for name in ("block_size", "anchors_per_seq", "layers", "epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise JetFlowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise JetFlowError(f"block_size must be >= 2 (the anchor and at least one draft slot), got {self.block_size}")
+        for name in ("lr", "gamma", "kl_temperature", "slot_token_gain", "max_seconds", "reveal", "dense_depth1"):
+            if not math.isfinite(getattr(self, name)):
+                raise JetFlowError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise JetFlowError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.dense_depth1 < 0:
@@ -348,12 +353,17 @@ class Trainer:
         if self.rank != 0:
             return
         self.head.save_pretrained(self.out / "drafter")
+        # The state holds the weights too: a kill between the two saves leaves the drafter one save
+        # ahead of the optimizer and step, and a resume must take all three from one save.
         with replace_directory(self.out / "trainer_state") as tmp:
             torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "elapsed": self.elapsed,
-                        "config": asdict(self.config), "data_digest": self.data_digest}, tmp / "state.pt")
+                        "config": asdict(self.config), "data_digest": self.data_digest, "world": self.world,
+                        "head": self.head.state_dict()}, tmp / "state.pt")
         plot_training_log(self.out / "train_log.jsonl", self.out / "loss_curve.png")
 
     def resume(self) -> bool:
+        for saved in ("drafter", "trainer_state"):  # a save that a kill interrupted is finished first
+            recover_directory(self.out / saved)
         state_file = self.out / "trainer_state" / "state.pt"
         if not state_file.is_file():
             return False
@@ -364,14 +374,20 @@ class Trainer:
             raise JetFlowError(f"{self.out} was trained on other sequences (the data directories, their order or "
                                "--max-sequences differ, or a directory has grown); resume with the same data, e.g. "
                                "--max-sequences set to the run's count")
-        loaded = type(self.head).from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
-        self.head.load_state_dict(loaded.state_dict())
+        if state.get("world", self.world) != self.world:  # older runs lack it
+            raise JetFlowError(f"{self.out} was trained by {state['world']} processes; resume it with as many "
+                               f"(which sequences a step takes depends on it), not {self.world}")
+        if "head" in state:  # the weights of the same save as the step and optimizer
+            self.head.load_state_dict(state["head"])
+        else:  # a state saved before it held the weights
+            loaded = type(self.head).from_pretrained(self.out / "drafter", target=self.target, device=self.target.device)
+            self.head.load_state_dict(loaded.state_dict())
         self._bind_vocab()
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed = state["step"], state.get("elapsed", 0.0)
         log_file = self.out / "train_log.jsonl"
         if self.rank == 0 and log_file.is_file():  # steps past the checkpoint are trained again: log them once
-            kept = [line for line in log_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            kept = [line for line in log_file.read_text().splitlines() if _logged_step(line) <= self.step]
             write_text_atomic(log_file, "".join(line + "\n" for line in kept))
         return True
 
@@ -407,3 +423,11 @@ class Trainer:
                 self.head.save_pretrained(self.out / "snapshots" / f"step-{self.step:06d}")
         return {"step": self.step, "total_steps": self.total_steps, "train_sequences": len(self.train_set),
                 "seconds": round(self.elapsed, 1)}
+
+
+def _logged_step(line: str) -> float:
+    """The step of a training-log line; infinity for a line a kill cut short (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -51,6 +51,7 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
     writer writes): a directory holding anything else, or a file, is refused (JetFlowError) before
     the block runs, so a mistyped ``--out`` never deletes a user's files."""
     final = Path(final).resolve()  # (so that "." has a name to stage next to)
+    recover_directory(final)
     if replaceable is not None:
         check_replaceable(final, replaceable)
     staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
@@ -60,6 +61,22 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
         final.rename(old)
     staged.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_directory(final: Path) -> None:
+    """Finish a :func:`replace_directory` that a kill interrupted: a staged ``final.new`` is always
+    complete (it is renamed into place only once written), and newer than ``final``, so it is put in
+    place; a leftover ``final.old`` (the copy it replaced) is removed. Readers of a replaced
+    directory (a training run's resume) call this first."""
+    final = Path(final).resolve()
+    staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
+    if staged.is_dir():
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        staged.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def check_replaceable(final: Path, replaceable: Collection[str]) -> None:
