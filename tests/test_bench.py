@@ -287,7 +287,6 @@ def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
     (["--budgets", "0"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
     (["--budgets", "16,300"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
     (["--drafter", "/no/such/dir"], "drafter checkpoint directory not found"),
 ])
 def test_bench_bad_input(tiny_dir, tmp_path, capsys, extra, message):
@@ -371,8 +370,14 @@ def test_text_compared_methods_ignore_how_the_text_was_split():
     assert summarize(same_text, ref, True, as_text=text)["mismatches"] == []
     assert summarize(other, ref, True, as_text=text)["mismatches"] == ["p#0"]
     assert summarize(same_text, ref, True)["mismatches"] == ["p#0"]  # token for token otherwise
-    cut = [dict(ref[0], token_ids=[12])]  # its ids, cut at max_new_tokens, cover less of the same text
+    cut = [dict(ref[0], token_ids=[12], finish_reason="length")]  # its ids, cut at max_new_tokens, cover less of the same text
     assert summarize(cut, ref, True, as_text=text)["mismatches"] == []
+    stopped = [dict(cut[0], finish_reason="stop")]  # an answer that ended by itself must be all of the reference's
+    assert summarize(stopped, ref, True, as_text=text)["mismatches"] == ["p#0"]
+    assert summarize([dict(ref[0], token_ids=[], finish_reason="stop")], ref, True, as_text=text)["mismatches"] == ["p#0"]
+    longer = [dict(ref[0], token_ids=[1, 234])]  # longer than a reference that stopped by itself
+    assert summarize(longer, [dict(ref[0], finish_reason="stop")], True, as_text=text)["mismatches"] == ["p#0"]
+    assert summarize(longer, [dict(ref[0], finish_reason="length")], True, as_text=text)["mismatches"] == []
     assert not METHODS["llama-dflash"].exact_tokens and METHODS["jetflow"].exact_tokens
 
 

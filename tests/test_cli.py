@@ -684,3 +684,15 @@ def test_chat_goes_on_after_an_interrupted_answer_and_bytes_that_are_not_text(ti
 
     (p1, c1), (p2, c2) = [tuple(map(int, m)) for m in re.findall(r"; (\d+) prompt tokens, (\d+) from the cache", err)]
     assert c1 == 0 and c2 > 0 and p1 < 40 < p2
+
+
+@pytest.mark.parametrize("argv", [["bench", "--temperature", "nan", "--out", "x"], ["regenerate", "--temperature", "inf"],
+                                  ["train", "--lr", "nan", "--data", "d", "--out", "o"]])
+def test_number_options_must_be_finite(argv, capsys):
+    """argparse's float takes nan and inf: a regeneration labelled NaN, or a run that can never
+    resume (NaN != NaN in the settings check). Every number option refuses them by name."""
+    from jetflow.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "is not a finite number" in capsys.readouterr().err

@@ -83,7 +83,10 @@ def test_jsonl_prompts_all_fields(tmp_path):
     ('{"id": "own/2", "question": "a"}\n{"question": "b"}', "own.jsonl:2: id 'own/2' is used twice"),
     ('{"id": ["x"], "question": "a"}', "own.jsonl:1: 'id' must be a string or a number"),
     ('{"question": "a", "category": "(none)"}', "category '(none)' is the report's name for prompts without one"),
-    ('{"turns": ["a"], "messages": [{"role": "user", "content": "b"}]}', "has both 'turns' and 'messages'"),
+    ('{"turns": ["a"], "messages": [{"role": "user", "content": "b"}]}', "has 'turns' and 'messages'; keep one"),
+    ('{"turns": ["a"], "prompt": "b"}', "has 'turns' and 'prompt'; keep one"),
+    ('{"messages": [{"role": "user", "content": "b"}], "question": "c"}', "has 'messages' and 'question'; keep one"),
+    ('{"messages": [{"role": "tool", "content": "b"}, {"role": "user", "content": "c"}]}', "message role(s) 'tool'"),
 ])
 def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
     from jetflow.eval.datasets import load_eval_set

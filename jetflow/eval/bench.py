@@ -13,10 +13,10 @@ from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark
 from jetflow.eval.machine import machine
 from jetflow.eval.methods import MethodRunner, MethodSpec
 from jetflow.eval.report import markdown, plots
-from jetflow.models.checkpoint import load_drafter
+from jetflow.models.checkpoint import head_fingerprint, load_drafter
 from jetflow.models.shipped import shipped_drafter
 from jetflow.models.backend import TargetBackend
-from jetflow.utils.fs import write_json_atomic
+from jetflow.utils.fs import write_json_atomic, write_text_atomic
 
 
 CURVE_SIZES = {1, 2, 3, 4, 8, 16, 32, 64}  # draft-node counts whose verify cost every report shows
@@ -52,7 +52,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     for spec in methods:
         runner.check(spec)
     used = {k: str(v) for k, v in paths.items() if k in heads} | ({"native": str(native)} if native else {})
-    settings = BenchSettings(target=target.name, drafters=used,
+    settings = BenchSettings(target=target.name, drafters=used, digests={k: head_fingerprint(p) for k, p in used.items()},
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
                              width=width, repeats=repeats,
                              extra=({"refine": refine} if refine != 1 else {})
@@ -78,7 +78,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
             "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
     write_json_atomic(out / "summary.json", info)
-    (out / "summary.md").write_text(markdown(runs, info["machine"], settings.key(), costs, block))
+    write_text_atomic(out / "summary.md", markdown(runs, info["machine"], settings.key(), costs, block))
     written = plots(runs, out)
     summary = {"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}
     return summary, report_mismatches(runs, temperature == 0)

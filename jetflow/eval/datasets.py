@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jetflow.data.prompts import _iter_jsonl, package_file, record_messages
+from jetflow.data.prompts import JSONL_TEXT_KEYS, _iter_jsonl, package_file, record_messages
 from jetflow.decoding.prompt import check_unicode
 from jetflow.errors import InvalidRequestError, JetFlowError
 
@@ -116,6 +116,9 @@ def load_mtbench() -> list[EvalPrompt]:
     return prompts
 
 
+CHAT_ROLES = {"system", "user", "assistant"}
+
+
 def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
     """A user's own prompts, one JSON object per line, each with one of
         prompt / question / problem   a string: one user turn (with ``"chat": false``, raw text to continue)
@@ -139,8 +142,13 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
         if category == NO_CATEGORY:
             raise JetFlowError(f"{where}: category {NO_CATEGORY!r} is the report's name for prompts without one; "
                                "rename it")
-        if "turns" in r and "messages" in r:
-            raise JetFlowError(f"{where}: has both 'turns' and 'messages'; keep one")
+        given = [k for k in ("turns", "messages", *JSONL_TEXT_KEYS) if k in r]
+        if len(given) > 1:  # one of them would be asked and the others silently dropped
+            raise JetFlowError(f"{where}: has {' and '.join(repr(k) for k in given)}; keep one")
+        roles = [m.get("role") for m in r.get("messages") or [] if isinstance(m, dict)]
+        if unknown := sorted({str(x) for x in roles} - CHAT_ROLES):
+            raise JetFlowError(f"{where}: message role(s) {', '.join(map(repr, unknown))}; "
+                               f"roles are {', '.join(sorted(CHAT_ROLES))}")
         if not isinstance(chat, bool):
             raise JetFlowError(f"{where}: 'chat' must be true or false")
         history: tuple[dict, ...] = ()

@@ -38,6 +38,7 @@ class BenchSettings:
     width: int = 7
     repeats: int = 1
     extra: dict = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # attention kind -> its checkpoint files' digests
 
     def key(self) -> dict:
         return dict(self.__dict__)
@@ -47,15 +48,18 @@ class BenchSettings:
         """What a run's numbers depend on: a stored run is reused only under the same key (so an ar
         run is shared by benchmarks of different drafters, a jetflow run is not). ``prompt_file``:
         the file a user's set came from (two files of one name are two sets)."""
-        key = {k: v for k, v in self.key().items() if k not in ("drafters", "width")}
+        key = {k: v for k, v in self.key().items() if k not in ("drafters", "width", "digests")}
         key.update(dataset=dataset, method=spec.name, budget=budget, prompt_ids=prompt_ids)
         if prompt_file is not None:
             key["prompt_file"] = prompt_file
+        kind = spec.head or ("native" if spec.name == "llama-dflash" else None)
+        if kind is None:  # how heads draft says nothing about a run without one
+            key["extra"] = {k: v for k, v in self.extra.items() if k not in ("draft_weights", "refine")}
+        else:  # a checkpoint changed in place (calibrated, retrained, a new shipped head) is another drafter
+            key["drafter"] = self.drafters.get(kind)
+            key["drafter_digest"] = self.digests.get(kind)
         if spec.head is not None:
-            key["drafter"] = self.drafters.get(spec.head)
             key["width"] = self.width if spec.tree else 1
-        if spec.name == "llama-dflash":
-            key["drafter"] = self.drafters.get("native")
         return key
 
 
@@ -96,6 +100,8 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
             "finish_reason": result.finish_reason,
             "token_ids": result.token_ids, "category": prompt.category,
         })
+        if settings.temperature == 0 and any(r.token_ids != result.token_ids for r in runs[1:]):
+            records[-1]["repeats_differ"] = True  # greedy decoding gave other outputs on a later call
         answers.append(result.text)
     return records
 
@@ -129,10 +135,12 @@ def run_side_by_side(runner, runs: list[tuple[MethodSpec, int | None]], prompts:
     for (spec, budget), recs in zip(runs, records):
         name = spec.name + ("" if budget is None else f"@{budget}")
         s = summarize(recs, records[0], greedy=settings.temperature == 0)
-        s["ci95"] = s.get("speedup_ci95") or [1.0, 1.0]
+        # (the reference against itself: exactly 1; one prompt alone gives no interval)
+        s["ci95"] = [1.0, 1.0] if recs is records[0] else s.get("speedup_ci95")
         rows[name] = {"summary": s, "records": recs}
+        ci = f"[{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]" if s["ci95"] else "[no interval: one prompt]"
         print(f"{label:8s} {name:34s} tau {s['tau']:5.2f}  {s['tokens_per_s']:6.2f} tok/s  "
-              f"speed-up {s.get('speedup', 1.0):.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]  "
+              f"speed-up {s.get('speedup', 1.0):.2f}x {ci}  "
               f"outputs differing {len(s.get('mismatches', []))}")
     return rows
 
@@ -191,12 +199,14 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
                   for r in records if (k := (r["id"], r["turn"])) in ref and r["seconds"] and ref[k]["seconds"]]
         out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
         out["speedup_ci95"] = speedup_interval(records, reference)  # prompts resampled (eval/bootstrap.py)
+    if greedy and (differ := [f"{r['id']}#{r['turn']}" for r in records if r.get("repeats_differ")]):
+        out["repeats_differ"] = differ
     equal_to = reference if equal_to is None else equal_to
     if equal_to is not None and greedy:
         view = as_text or (lambda ids: ids)
-        same = {(r["id"], r["turn"]): view(r["token_ids"]) for r in equal_to}
+        same = {(r["id"], r["turn"]): r for r in equal_to}
         out["mismatches"] = [f"{r['id']}#{r['turn']}" for r in records
-                             if not _agree(same.get((r["id"], r["turn"])), view(r["token_ids"]), as_text is not None)]
+                             if not _agree(same.get((r["id"], r["turn"])), r, view, as_text is not None)]
     categories = sorted({r["category"] for r in records if r.get("category")})
     if categories and any(not r.get("category") for r in records):
         categories.append(None)  # the prompts without one: "(none)" in the report
@@ -210,12 +220,19 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
     return out
 
 
-def _agree(reference, output, as_text: bool) -> bool:
-    """Token for token; as text, one may stop earlier (a re-tokenized text's ids cut at
-    max_new_tokens cover less text than the ids it was printed from)."""
-    if reference is None or not as_text:
-        return reference == output
-    return reference.startswith(output) or output.startswith(reference)
+def _agree(reference: dict | None, output: dict, view, as_text: bool) -> bool:
+    """Whether records ``output`` and ``reference`` hold the same answer: token for token; as text,
+    the one cut at the length limit may stop earlier (a re-tokenized text's ids cut at max_new_tokens
+    cover less text than the ids it was printed from), but an answer that ended by itself must be
+    all of the other's."""
+    if reference is None:
+        return False
+    ref, out = view(reference["token_ids"]), view(output["token_ids"])
+    if not as_text or ref == out:
+        return ref == out
+    if out.startswith(ref):
+        return reference.get("finish_reason") == "length"
+    return ref.startswith(out) and output.get("finish_reason") == "length"
 
 
 def load_stored(path: Path, key: dict) -> dict | None:
@@ -237,6 +254,10 @@ def report_mismatches(runs: list[dict], greedy: bool) -> int:
         return 0
     bad = 0
     for run in runs:
+        if differ := run["summary"].get("repeats_differ"):  # (the reference's own runs too)
+            bad += len(differ)
+            print(f"NON-DETERMINISM: {run['method']} on {run['dataset']} gave other greedy outputs when a prompt "
+                  f"was run again (--repeats), e.g. {differ[:3]}", file=sys.stderr)
         miss = run["summary"].get("mismatches") or []
         if miss:
             bad += len(miss)
@@ -350,9 +371,15 @@ def check_prompts_fit(target, datasets: dict[str, list[EvalPrompt]]) -> None:
     when their dataset ends. (A later turn grows with the answers; one that overflows names itself.)"""
     from jetflow.decoding.prompt import encode_prompt
 
-    long = [f"{p.where}: {n} tokens"
-            for prompts in datasets.values() for p in prompts
-            if (n := len(encode_prompt(target.tokenizer, p.request([]), p.chat))) >= target.max_context]
+    long = []
+    for prompts in datasets.values():
+        for p in prompts:
+            try:
+                n = len(encode_prompt(target.tokenizer, p.request([]), p.chat))
+            except Exception as e:  # e.g. the chat template refuses the conversation (roles out of order)
+                raise JetFlowError(f"{p.where}: the prompt cannot be encoded: {type(e).__name__}: {e}") from None
+            if n >= target.max_context:
+                long.append(f"{p.where}: {n} tokens")
     if long:
         raise JetFlowError(f"{len(long)} prompt(s) do not fit the model's context of {target.max_context} tokens: "
                            + "; ".join(long[:4]) + ("; ..." if len(long) > 4 else "")

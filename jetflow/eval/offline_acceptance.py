@@ -40,13 +40,12 @@ from jetflow.decoding.mixed_drafter import (MATCH_ROW_STARTS, MAX_CHAIN, REQUEST
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.eval.replay_journal import ReplayJournal
-from jetflow.models.checkpoint import load_drafter
+from jetflow.models.checkpoint import head_fingerprint, load_drafter
 from jetflow.models.draft_head import DraftHead
 from jetflow.models.draft_vocab import target_to_draft_index
 from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
 from jetflow.training.blocks import make_blocks, sample_anchors
-from jetflow.utils.fs import file_digest
 from jetflow.tree.build import DraftTree, build_tree, build_tree_rows
 
 
@@ -437,7 +436,3 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     return {**header, "drafters": results}
 
 
-def head_fingerprint(path) -> str:
-    """The digests of a drafter checkpoint's files: a journal from other weights is not resumed."""
-    return "-".join(file_digest(f) for f in (Path(path) / "config.json", Path(path) / "model.safetensors")
-                    if f.is_file())

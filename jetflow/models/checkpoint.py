@@ -12,6 +12,7 @@ import torch
 
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig, read_config
 from jetflow.models.eagle_head import EagleHead
+from jetflow.utils.fs import file_digest
 
 HEAD_CLASSES: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (DraftHead, EagleHead)}
 
@@ -26,3 +27,10 @@ def load_drafter(path: str | Path, target=None, device=None, dtype: torch.dtype 
     :class:`EagleHead`); with ``target``, refuse one built for a different target."""
     config = read_config(path)
     return HEAD_CLASSES[config.kind].load(path, config, target, device, dtype)
+
+
+def head_fingerprint(path) -> str:
+    """The digests of a drafter checkpoint's files: results or a journal made with other weights
+    (a checkpoint retrained or calibrated in place) are not taken for this one's."""
+    return "-".join(file_digest(f) for f in (Path(path) / "config.json", Path(path) / "model.safetensors")
+                    if f.is_file())
