@@ -571,6 +571,8 @@ def cmd_calibrate(args) -> int:
     if not args.held_out and not args.sequences:
         raise JetFlowError("say which sequences the head was not trained on: --held-out (the split `jetflow train` "
                            "held out, with its --seed) or --sequences START:END")
+    if args.max_sequences is not None and not args.held_out:
+        raise JetFlowError("--max-sequences says which sequences the training run split: it goes with --held-out")
     if args.out is not None:  # (the calibrated copy holds the drafter's own files)
         _new_checkpoint_dir(args.out, args.drafter, args.overwrite, [f.name for f in Path(args.drafter).iterdir()],
                             in_place=True)
@@ -578,7 +580,7 @@ def cmd_calibrate(args) -> int:
     target = _load_jetflow_target(args, training=True)
     report = calibrate_drafter(target, args.drafter, args.data, args.out or args.drafter,
                                teacher_cache=args.teacher_cache, seq_range=args.sequences,
-                               held_out=args.seed if args.held_out else None,
+                               held_out=args.seed if args.held_out else None, max_sequences=args.max_sequences,
                                width=args.width, log=lambda m: print(m, file=sys.stderr))
     if args.report:
         write_json_atomic(args.report, report)
@@ -924,6 +926,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--held-out", action="store_true",
                    help="the sequences `jetflow train` held out from this --data (same --seed)")
     k.add_argument("--seed", type=int, default=0, help="the training run's --seed (with --held-out)")
+    k.add_argument("--max-sequences", type=_positive_int, default=None,
+                   help="the training run's --max-sequences (with --held-out: the split is drawn from that many)")
     k.add_argument("--sequences", default=None, help="START:END range of sequences the head was not trained on")
     k.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (decoding's --width)")
     k.add_argument("--out", type=Path, default=None,

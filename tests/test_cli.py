@@ -436,6 +436,8 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
                  "--teacher-cache", str(tmp_path / "cache2")]
     assert main(calibrate) == 2 and "--held-out" in capsys.readouterr().err
     assert main(calibrate + ["--held-out", "--sequences", "0:6"]) == 2 and "not both" in capsys.readouterr().err
+    assert main(calibrate + ["--sequences", "0:6", "--max-sequences", "3"]) == 2
+    assert "goes with --held-out" in capsys.readouterr().err
     assert main(calibrate + ["--sequences", "4:6", "--out", str(tmp_path / "cal")]) == 2
     assert "too few calibration records" in capsys.readouterr().err and not (tmp_path / "cal").exists()
     assert main(calibrate + ["--sequences", "0:6", "--out", str(tmp_path / "cal"), "--report",

@@ -281,7 +281,12 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
     jf = jetflow.JetFlow.from_pretrained(target, "auto", budget=8)
 
     def speculative_run() -> list[int]:
-        result = jf.generate(prompt_ids, max_new_tokens=30)
+        # Which round ends on a side branch depends on the machine's int8 draft numerics: the first
+        # answer length (from 30 tokens on) whose last round does.
+        for n in range(30, 80):
+            result = jf.generate(prompt_ids, max_new_tokens=n)
+            if target._redo:
+                break
         assert result.stats["tau"] > 1.2 and target._redo  # trees committed, the last on a side branch
         return list(target.token_ids)
 
@@ -309,7 +314,12 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
         assert target.reused_tokens == min(shared, in_cells)
         assert torch.equal(out.logits, fresh[shared].logits), shared
         assert out.hidden.shape == fresh[shared].hidden.shape
-        assert torch.equal(out.hidden, fresh[shared].hidden), shared  # the kept features too, bit for bit
+        # The kept features, handed back for the cached part: bit for bit a fresh prefill's, except
+        # for a token committed from a side branch of its tree (computed in the tree's layout: within
+        # the tolerance of side-branch rows, test_verify_nodes_match_their_paths).
+        kept, ref = out.hidden, fresh[shared].hidden
+        assert torch.equal(kept[:len(prompt_ids)], ref[:len(prompt_ids)]), shared
+        assert ((kept - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < HIDDEN_REL_TOL, shared
     target.greedy_step(5)  # a plain step reads no features: they end before it
     target.prefill(follow + [5, 6], return_hidden=True)
     assert target.reused_tokens == len(follow)

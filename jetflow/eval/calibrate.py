@@ -81,14 +81,15 @@ def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration, out:
 
 def calibrate_drafter(target: TargetModel, drafter_dir: str | Path, data_dir, out: str | Path, *,
                       teacher_cache=None, seq_range: str | None = None, held_out: int | None = None,
-                      width: int = 7, log=print) -> dict:
+                      max_sequences: int | None = None, width: int = 7, log=print) -> dict:
     """Fit ``drafter_dir``'s tree calibration on ``data_dir``'s sequences ``seq_range`` (START:END) or,
-    with ``held_out`` = a training seed, on the split `jetflow train` held out with that seed; write
+    with ``held_out`` = a training seed, on the split `jetflow train` held out with that seed (from its
+    first ``max_sequences`` sequences, as the run took them: the split depends on the count); write
     the calibrated checkpoint to ``out``. Returns a report."""
     from jetflow.eval.offline_acceptance import eval_teacher, parse_range
     from jetflow.training.trainer import EVAL_SEQUENCES, data_label, held_out_split, load_sequences
 
-    sequences = load_sequences(data_dir, target)
+    sequences = load_sequences(data_dir, target, max_sequences if held_out is not None else None)
     if held_out is not None:
         indices = sorted(held_out_split(len(sequences), held_out, EVAL_SEQUENCES)[0])
     else:

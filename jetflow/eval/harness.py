@@ -195,8 +195,13 @@ def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
         ref = {(r["id"], r["turn"]): r for r in reference}
         ref_tps = sum(r["new_tokens"] for r in reference) / sum(r["seconds"] for r in reference)
         out["speedup"] = out["tokens_per_s"] / ref_tps  # headline: ratio of totals
-        ratios = [(r["new_tokens"] / r["seconds"]) / (ref[k]["new_tokens"] / ref[k]["seconds"])
-                  for r in records if (k := (r["id"], r["turn"])) in ref and r["seconds"] and ref[k]["seconds"]]
+        totals: dict = {}  # prompt id -> [tokens, seconds, reference tokens, reference seconds] over its turns
+        for r in records:
+            if (k := (r["id"], r["turn"])) in ref:
+                t = totals.setdefault(r["id"], [0, 0.0, 0, 0.0])
+                t[0], t[1] = t[0] + r["new_tokens"], t[1] + r["seconds"]
+                t[2], t[3] = t[2] + ref[k]["new_tokens"], t[3] + ref[k]["seconds"]
+        ratios = [(a / s) / (b / rs) for a, s, b, rs in totals.values() if s and rs and b]  # one per prompt
         out["speedup_per_prompt_mean"] = sum(ratios) / len(ratios) if ratios else None
         out["speedup_ci95"] = speedup_interval(records, reference)  # prompts resampled (eval/bootstrap.py)
     if greedy and (differ := [f"{r['id']}#{r['turn']}" for r in records if r.get("repeats_differ")]):

@@ -422,15 +422,16 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     for path, head in heads.items():
         target.set_tapped_layers(head.config.target_layer_ids)
         teacher = eval_teacher(target, sequences, end, teacher_cache, head.config.target_layer_ids)
+        passes = refine if tree_passes(refine) else int(head.config.path_refine if refine is None else refine)
         result = offline_acceptance(head, target, sequences, teacher, list(range(start, end)), list(budgets),
                                     width, anchors_per_seq, seed, refine=refine, lookup=lookup, calibrated=calibrated,
                                     lookup_session=lookup_session, journal=book, journal_key=str(path),
                                     progress=Path(path).name if progress else None)
         results[str(path)] = {**result.summary(), "seconds": round(result.seconds, 1),
                               "lookup_session": lookup_session,
-                              "refine": refine if tree_passes(refine) else
-                              int(head.config.path_refine if refine is None else refine),
-                              "calibrated": calibrated and head.config.tree_calibration is not None}
+                              "refine": passes,
+                              # as the replay ran: a calibration only trees of the first pass alone use
+                              "calibrated": calibrated and not passes and head.config.tree_calibration is not None}
         log(f"{path}: chain tau {results[str(path)]['chain_tau']:.2f}, tree tau "
             + ", ".join(f"{b}: {t:.2f}" for b, t in results[str(path)]["tau"].items()))
     return {**header, "drafters": results}
