@@ -487,3 +487,22 @@ def test_a_chats_next_turn_through_the_batch_decoder(target):
     finally:
         target.prefix_cache = True
     assert second.token_ids == alone.token_ids
+
+
+def test_trees_are_cut_to_fit_one_llamacpp_decode():
+    """Many requests with long lookup chains at once: more tokens than one llama.cpp decode takes
+    would fail the step for every request; the longest trees are cut to prefixes instead."""
+    from jetflow.decoding.batch import _fit_batch
+    from jetflow.tree.build import DraftTree
+
+    def chain(n):
+        return DraftTree(list(range(n)), list(range(-1, n - 1)), list(range(n)), [-0.1 * i for i in range(n)])
+
+    trees = {i: chain(n) for i, n in enumerate([33, 30, 5, 1])}
+    _fit_batch(trees, 40)
+    sizes = [len(trees[i]) for i in range(4)]
+    assert sum(sizes) == 40 and sizes[2:] == [5, 1] and abs(sizes[0] - sizes[1]) <= 1
+    assert all(trees[i].parents == list(range(-1, sizes[i] - 1)) for i in range(4))  # prefixes: still chains
+    small = {i: chain(1) for i in range(3)}
+    _fit_batch(small, 2)  # roots alone cannot be cut (the decode refuses them by name)
+    assert [len(t) for t in small.values()] == [1, 1, 1]

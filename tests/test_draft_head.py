@@ -155,6 +155,12 @@ def test_checkpoint_roundtrip_and_format(target, tmp_path):
         assert torch.equal(v, loaded.state_dict()[k])
     bf16 = DraftHead.from_pretrained(head.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16))
     assert bf16.fc.weight.dtype == torch.bfloat16
+    # A bf16 checkpoint loaded as bf16, then made float (as decoding loads the shipped heads): its
+    # rotary frequencies stay the float32 ones it was trained with, not rounded to bf16's 8 bits.
+    positions = torch.arange(0, 600, 37)
+    exact = head.rotary.cos_sin(positions, torch.float32)
+    again = bf16.float().rotary.cos_sin(positions, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(exact, again))
     # Saving over an existing checkpoint replaces it whole.
     make_head(target, seed=5).save_pretrained(path)
     assert json.loads((path / "config.json").read_text())["attention"] == "causal"
@@ -236,6 +242,35 @@ def test_a_smaller_block_from_a_causal_head_drafts_its_first_depths_unchanged(ta
     assert warm_start_head(tmp_path / "big", target, TrainConfig(block_size=4, **shape)).config.block_size == 4
     with pytest.raises(JetFlowError, match="block-size 8"):
         warm_start_head(tmp_path / "big", target, TrainConfig(block_size=8, **shape))
+
+
+def test_a_warm_start_of_the_same_shape_drops_what_described_the_old_weights(target, tmp_path):
+    from jetflow.training.run import warm_start_head
+    from jetflow.training.trainer import TrainConfig
+
+    head = make_head(target, depth_embedding=True, feed_last_feature=True)
+    curves = [[[-5.0, 0.0], [-5.0, 0.0]]] * (head.config.block_size - 1)  # (only its removal is checked)
+    head.config.tree_calibration, head.config.path_refine = {"main": curves, "off_main": curves}, True
+    head.save_pretrained(tmp_path / "calibrated")
+    shape = dict(layers=2, draft_vocab=0, feed_last_feature=True, depth_embedding=True, block_size=head.config.block_size)
+    new = warm_start_head(tmp_path / "calibrated", target, TrainConfig(**shape))
+    assert new.config.tree_calibration is None and not new.config.path_refine
+    assert warm_start_head(tmp_path / "calibrated", target, TrainConfig(reveal=0.5, **shape)).config.path_refine
+
+
+def test_the_dflash_layouts_causal_flag_is_read(target, tmp_path):
+    """A config in DFlash's layout carries only dflash_config.causal (no "attention"): a bidirectional
+    head must not load as causal; the two disagreeing is refused."""
+    head = make_head(target, "bidirectional")
+    path = head.save_pretrained(tmp_path / "d")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert DraftHead.from_pretrained(path, target=target).config.attention == "bidirectional"
+    cfg["attention"] = "causal"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterMismatchError, match="dflash_config.causal is False"):
+        DraftHead.from_pretrained(path, target=target)
 
 
 def test_a_plain_head_warm_starts_a_path_projection_run(target, tmp_path):

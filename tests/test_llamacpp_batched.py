@@ -76,6 +76,8 @@ def test_unequal_chains_and_bad_input(llama_target):
     (a, _), (b, _) = batch.join_many([[5, 6, 7], [8, 9]])
     outs = batch.verify({a: chain(rng, 3), b: chain(rng, 1)})  # llama.cpp splits it into two graphs
     assert outs[a].logits.shape[0] == 3 and outs[b].logits.shape[0] == 1
+    with pytest.raises(RuntimeError, match="before the last verify was committed"):  # its cells would collide
+        batch.verify({a: chain(rng, 1), b: chain(rng, 1)})
     batch.commit({a: [0, 1], b: [0]})
     with pytest.raises(ValueError, match="verifies chains"):
         batch.verify({a: ([1, 2, 3], [-1, 0, 0]), b: chain(rng, 1)})

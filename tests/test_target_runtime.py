@@ -90,6 +90,27 @@ def test_commit_empty_path_and_reverify(runtime):
     torch.testing.assert_close(out.logits[-1], reference(model, [5, 6, 7, 4], [0])[0][-1], atol=ATOL, rtol=0)
 
 
+def test_a_verify_that_fails_midway_leaves_no_keys_behind(runtime):
+    """A forward that raises in a late layer (out of memory) after the earlier layers appended their
+    keys and values: the next chain step must not attend to those leftovers."""
+    model, target = runtime
+    target.prefill([5, 6, 7])
+    layer = model.model.layers[-1]
+
+    def fail(*_):
+        raise RuntimeError("out of memory")
+
+    handle = layer.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            target.verify([1, 2, 3], [-1, 0, 0])
+    finally:
+        handle.remove()
+    assert target.past_len == 3
+    out = target.extend([4])
+    torch.testing.assert_close(out.logits[-1], reference(model, [5, 6, 7, 4], [0])[0][-1], atol=ATOL, rtol=0)
+
+
 def test_chunked_prefill_equals_one_shot(tokenizer):
     model = tiny_model("llama")
     ids = list(range(1, 40))

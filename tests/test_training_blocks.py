@@ -152,3 +152,19 @@ def test_block_attention_in_bfloat16_fills_masked_scores_and_matches_fp32():
         out = block_attention(q, ctx_k, ctx_v, k, v, mask)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
+def test_forward_kl_ignores_tokens_the_teacher_rules_out():
+    """A teacher with -inf logits (a masked vocabulary, a top-k row): 0 * -inf must not make the loss NaN."""
+    import torch
+
+    from jetflow.training.losses import slot_losses
+
+    teacher = torch.tensor([[2.0, 1.0, float("-inf")], [0.5, float("-inf"), float("-inf")]])
+    draft = torch.tensor([[1.0, 1.0, 1.0], [0.0, 3.0, 1.0]])
+    loss = slot_losses(draft, teacher, torch.tensor([0, 0]), "fkl")
+    p = teacher.softmax(-1)
+    want = [sum(p[r, i] * (p[r, i].log() - draft[r].log_softmax(-1)[i]) for i in range(3) if p[r, i] > 0)
+            for r in range(2)]
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, torch.stack(want))

@@ -33,6 +33,8 @@ ARCHS = {
     # Gemma 3 with a 4-token sliding window on alternating layers, so local attention is exercised.
     "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=4,
                    layer_types=["sliding_attention", "full_attention"] * 2),
+    # Mistral: a window and no layer types, so every layer is local (here 4 tokens).
+    "mistral": dict(model_type="mistral", sliding_window=4),
 }
 
 

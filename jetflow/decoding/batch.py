@@ -196,6 +196,9 @@ class BatchDecoder:
             cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3)
             for r in shared:
                 trees[r.id] = trees[r.id].prefix(min(cap, len(trees[r.id]) - 1) + 1)
+        capacity = getattr(self.batch, "n_batch", None)  # llama.cpp: the tokens one decode takes
+        if capacity is not None:
+            _fit_batch(trees, capacity)
         t0 = time.perf_counter()
         outs = self.batch.verify({rid: (tree.tokens, tree.parents) for rid, tree in trees.items()})
         verify_s = time.perf_counter() - t0
@@ -250,3 +253,16 @@ class BatchDecoder:
             stats={"budget": "auto" if r.budget is None else r.budget, "width": r.width, **r.stats.to_dict()},
             cached_prompt_tokens=r._cached)
         return r
+
+
+def _fit_batch(trees: dict, capacity: int) -> None:
+    """Cut the largest trees (to prefixes, still trees) until all of them fit one decode of
+    ``capacity`` tokens: long lookup chains of many requests at once would otherwise fail the step,
+    and with it every request in the batch. Each request keeps at least its root."""
+    total = sum(len(t) for t in trees.values())
+    while total > capacity:
+        rid = max(trees, key=lambda r: len(trees[r]))
+        if len(trees[rid]) <= 1:
+            return  # roots alone: the batch itself holds more requests than a decode takes
+        trees[rid] = trees[rid].prefix(len(trees[rid]) - 1)
+        total -= 1

@@ -175,6 +175,10 @@ class DraftHeadConfig:
         rope = d.pop("rope_parameters", {}) or {}
         names = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in d.items() if k in names}
+        if "causal" in dflash:  # the DFlash layout's own flag (a config written elsewhere may have no "attention")
+            said = "causal" if dflash["causal"] else "bidirectional"
+            if kwargs.setdefault("attention", said) != said:
+                raise ValueError(f"'attention' is {kwargs['attention']!r} but dflash_config.causal is {dflash['causal']}")
         return cls(mask_token_id=dflash["mask_token_id"], target_layer_ids=list(dflash["target_layer_ids"]),
                    rope_theta=rope.get("rope_theta", 10000.0), **kwargs)
 

@@ -271,6 +271,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         sequence's logits [n, V] and tapped features [n, taps*H]."""
         if set(trees) != {s.id for s in self.seqs}:
             raise ValueError("verify() needs a chain for every sequence in the batch, and only for those")
+        if self._pending is not None:  # its cells would sit at the same positions as this verify's
+            raise RuntimeError("verify() before the last verify was committed")
         total = sum(len(tokens) for tokens, _ in trees.values())
         if total > self.n_batch:
             raise InvalidRequestError(f"{total} tokens to verify exceed the batch of {self.n_batch}")

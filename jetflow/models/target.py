@@ -78,10 +78,16 @@ class TargetModel:
         self._capture = False
         self._hook_handles: list = []
         self.set_tapped_layers(default_tapped_layers(self.num_layers) if tapped_layers is None else tapped_layers)
-        # Local-attention layers (Gemma 3, Qwen2 with sliding windows) need their own mask.
+        # Local-attention layers (Gemma 3, Qwen2 with sliding windows) need their own mask; a model
+        # with a window and no layer types (Mistral, Mixtral, Phi-3, Starcoder2) applies it to every
+        # layer (``_mask_kinds`` empty: one windowed mask for all). A tree verified without the window
+        # would see keys its one-token steps do not: not lossless past the window.
         layer_types = getattr(self.config, "layer_types", None) or []
         window = getattr(self.config, "sliding_window", None)
-        self._sliding_window = window if window and "sliding_attention" in layer_types else None
+        if layer_types:
+            self._sliding_window = window if window and "sliding_attention" in layer_types else None
+        else:
+            self._sliding_window = window if window and getattr(self.config, "use_sliding_window", True) else None
         self._mask_kinds = sorted(set(layer_types)) if self._sliding_window else []
         self.reset()
 
@@ -265,7 +271,14 @@ class TargetModel:
         self._drop_pending()
         if self.past_len + max(tree_depths(parents)) + 1 > self.max_context:
             raise InvalidRequestError(f"tree would extend past the model's context of {self.max_context} tokens")
-        out = self._forward(ids, parents, last_logits_only=False, return_hidden=return_hidden)
+        try:
+            out = self._forward(ids, parents, last_logits_only=False, return_hidden=return_hidden)
+        except BaseException:  # (out of memory at some layer): keys/values appended by the layers before go
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] > self.past_len:
+                    layer.keys = layer.keys[..., :self.past_len, :]
+                    layer.values = layer.values[..., :self.past_len, :]
+            raise
         self._pending_parents = parents
         self._pending_tokens = ids.tolist()
         self._pending_hidden = out.hidden
@@ -385,13 +398,13 @@ class TargetModel:
         return TargetOutput(out.logits[0].float(), hidden)
 
     def _tree_mask(self, parents: list[int]):
-        full = tree_attention_mask(parents, self.past_len, self.dtype, self.device)
         if not self._sliding_window:
-            return full
-        masks = {"full_attention": full}
-        masks["sliding_attention"] = tree_attention_mask(
-            parents, self.past_len, self.dtype, self.device, sliding_window=self._sliding_window
-        )
+            return tree_attention_mask(parents, self.past_len, self.dtype, self.device)
+        local = tree_attention_mask(parents, self.past_len, self.dtype, self.device, sliding_window=self._sliding_window)
+        if not self._mask_kinds:  # every layer local
+            return local
+        masks = {"full_attention": tree_attention_mask(parents, self.past_len, self.dtype, self.device),
+                 "sliding_attention": local}
         return {kind: masks[kind] for kind in self._mask_kinds}
 
     # ------------------------------------------------------------------ cache bookkeeping

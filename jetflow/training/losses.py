@@ -33,7 +33,8 @@ def slot_losses(draft_logits: torch.Tensor, teacher: torch.Tensor | None, labels
     log_q = (draft_logits.float() / t).log_softmax(-1)
     log_p = (teacher.float() / t).log_softmax(-1)
     if kind == "fkl":
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        p = log_p.exp()  # tokens the teacher rules out (-inf logits) add nothing, not 0 * -inf = NaN
+        kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
     else:
         kl = (log_q.exp() * (log_q - log_p)).sum(-1)
     return kl * t * t

@@ -43,6 +43,9 @@ def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) 
     bad = [f"--{k} {want} (checkpoint: {have})" for k, (have, want) in wanted.items() if have != want]
     if bad:
         raise JetFlowError(f"--init-from {path} does not match " + ", ".join(bad))
+    # What described the old weights does not describe the new ones: a tree calibration fitted on the
+    # old head's log-probs, and a second pass it was trained for (this run trains one only with --reveal).
+    head.config.tree_calibration, head.config.path_refine = None, config.reveal > 0
     return head
 
 
