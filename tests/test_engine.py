@@ -46,6 +46,18 @@ class StepLog:
         pass
 
 
+async def outcome(job) -> tuple[str, object]:
+    """("done", the job's text) once it is done, else (kind, payload) of the event that ended it."""
+    parts = []
+    while True:
+        kind, payload = await job.events.get()
+        if kind == "delta":
+            parts.append(payload)
+        elif kind == "done":
+            return "done", "".join(parts)
+        else:
+            return kind, payload
+
 def run_crowd(jf, prompts, max_tokens, **engine_kw):
     from jetflow.serve.engine import Engine
 
@@ -60,16 +72,9 @@ def run_crowd(jf, prompts, max_tokens, **engine_kw):
         jobs.append(lead)
         texts = []
         for job in jobs:
-            parts = []
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "delta":
-                    parts.append(payload)
-                elif kind == "done":
-                    break
-                else:
-                    raise AssertionError(f"{kind}: {payload}")
-            texts.append("".join(parts))
+            kind, text = await outcome(job)
+            assert kind == "done", f"{kind}: {text}"
+            texts.append(text)
         return texts[:-1]
 
     try:
@@ -142,19 +147,6 @@ def test_serve_reports_a_failed_load_from_the_engine_thread():
         start_engine(load)
 
 
-async def outcome(job):
-    """("text", result) once a job is done, else (kind, payload) of the event that ended it."""
-    parts = []
-    while True:
-        kind, payload = await job.events.get()
-        if kind == "delta":
-            parts.append(payload)
-        elif kind == "done":
-            return "".join(parts), payload
-        else:
-            return kind, payload
-
-
 def run_worker(engine) -> threading.Thread:
     def work():
         try:
@@ -196,7 +188,7 @@ def test_a_request_that_fails_to_join_leaves_the_others_joining_with_it_as_they_
         results = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert results[0][0] == alone[0] and results[2][0] == alone[2]
+    assert results[0] == ("done", alone[0]) and results[2] == ("done", alone[2])
     assert results[1][0] == "error" and "drafter setup failed" in str(results[1][1])
     assert engine._decoder.active == []
 
@@ -222,12 +214,12 @@ def test_a_failed_batch_step_is_a_server_error_and_a_dead_worker_fails_every_job
         return failed, served
 
     try:
-        (kind, error), (text, _) = asyncio.run(first())
+        (kind, error), (done, text) = asyncio.run(first())
     finally:
         engine.shutdown()
     assert kind == "error" and isinstance(error, StepFailed) and "kernel fault" in str(error)
     assert closed and engine._decoder is not old  # the old batch freed, the new one kept
-    assert text == alone  # and the worker went on serving
+    assert (done, text) == ("done", alone)  # and the worker went on serving
 
     # A worker that dies (here before its first step) answers what was queued, and nothing is queued after.
     engine = Engine(jf, max_batch=4, start=False)

@@ -107,12 +107,17 @@ class Engine:
         for job in list(self._running):
             job._emit("error", error)
         self._running.clear()
+        self._answer_queued(error)
+
+    def _answer_queued(self, error: Exception) -> None:
+        """Take every queued job out of the queue, cancelled, and answer it with ``error``."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
             if job is not None:
+                job.cancel()
                 job._emit("error", error)
 
     @property
@@ -280,14 +285,7 @@ class Engine:
     def shutdown(self, cancel_running: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; cancel queued jobs; finish (or cancel) the running one; stop the thread."""
         self._accepting = False
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job._emit("error", EngineStopped("the server is shutting down"))
+        self._answer_queued(EngineStopped("the server is shutting down"))
         if cancel_running:
             for job in list(self._running):
                 job.cancel("the server is shutting down")
