@@ -400,3 +400,37 @@ def test_speedup_interval_against_exact_enumeration():
     assert speedup_interval(ref, ref) == (pytest.approx(1.0), pytest.approx(1.0))  # a run against itself
     assert speedup_interval(run[:1], ref) is None  # one prompt: no interval
     assert summarize(run, ref, greedy=False)["speedup_ci95"] == speedup_interval(run, ref)  # deterministic
+
+
+def test_a_drafter_changed_in_place_is_not_taken_for_its_stored_runs(tiny_dir, heads, tmp_path, capsys):
+    """Runs are keyed by the checkpoint files' digests: a head calibrated or retrained in place is
+    another drafter (its stored runs are refused, not reused), while the runs without a head are
+    still shared."""
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(heads["causal"], head)
+    args = ["bench", "--target", str(tiny_dir), "--drafter", str(head), "--datasets", "gsm8k", "--limit", "1",
+            "--methods", "ar,jetflow", "--budgets", "4", "--max-new-tokens", "6", "--width", "3",
+            "--no-cost-model", "--out", str(tmp_path / "b")]
+    assert main(args) == 0
+    assert main(args) == 0  # unchanged: everything reused
+    config = json.loads((head / "config.json").read_text())
+    config["tree_calibration"] = None  # any edit of its files
+    (head / "config.json").write_text(json.dumps(config, indent=1))
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "made with other settings" in err and "gsm8k__jetflow__b4.json" in err and "gsm8k__ar.json" not in err
+
+
+def test_greedy_outputs_that_change_between_repeats_are_reported(capsys):
+    from jetflow.eval.harness import report_mismatches
+
+    record = {"id": "p", "turn": 0, "new_tokens": 2, "seconds": 1.0, "rounds": 1, "accept_lengths": None,
+              "time_split": None, "prefill_seconds": 0.0, "token_ids": [1, 2], "repeats_differ": True}
+    summary = summarize([record], None, True)
+    assert summary["repeats_differ"] == ["p#0"]
+    assert "repeats_differ" not in summarize([record], None, False)  # sampling: repeats differ by design
+    assert report_mismatches([{"method": "jetflow", "dataset": "gsm8k", "budget": 4, "summary": summary}], True) == 1
+    assert "NON-DETERMINISM: jetflow on gsm8k" in capsys.readouterr().err
