@@ -61,10 +61,9 @@ class JetFlow:
         self.lookup = lookup and head is not None
         self.drafter = (make_drafter(head, target, int8=self.int8_draft, lookup=self.lookup, refine=refine)
                         if head is not None else drafter)
-        headless = self.drafter is not None and getattr(self.drafter, "head", None) is None  # e.g. prompt lookup
         if budget is None:
             budget = DEFAULT_CPU_BUDGET if target.device.type == "cpu" else DEFAULT_BUDGET
-            if headless and budget == "auto":  # `auto` prices a head's drafts: a chain drafter offers its whole chain
+            if self._headless and budget == "auto":  # `auto` prices a head's drafts: a chain drafter offers its whole chain
                 budget = getattr(self.drafter, "max_draft", DEFAULT_BUDGET)
         self.budget, self.width = _check_tree_args(budget, width)
         self._check_auto(self.budget)
@@ -77,8 +76,13 @@ class JetFlow:
         self._lock = threading.Lock()
         self._requests = 0
 
+    @property
+    def _headless(self) -> bool:
+        """A drafter without a draft head (prompt lookup alone)."""
+        return self.drafter is not None and getattr(self.drafter, "head", None) is None
+
     def _check_auto(self, budget) -> None:
-        if budget == "auto" and self.drafter is not None and getattr(self.drafter, "head", None) is None:
+        if budget == "auto" and self._headless:
             raise InvalidRequestError(f"budget 'auto' prices a draft head's trees; this decoder's drafter "
                                       f"({type(self.drafter).__name__}) has none: give a fixed budget")
 

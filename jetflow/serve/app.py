@@ -188,9 +188,9 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             except ClientGone:
                 return Response(status_code=499)
             if req.stream:
-                progress = {"started": False}
-                return JobStream(stream_events(req, job, request.scope, progress),
-                                 lambda: stream_never_started(job, request.scope, progress),
+                progress = {"answered": False}
+                return JobStream(stream_events(req, job, progress),
+                                 lambda: stream_ended(job, request.scope, progress),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
                 result = await run_to_end(job, request)
@@ -217,16 +217,17 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
         finally:
             state["in_flight"] -= 1
 
-    def stream_never_started(job, scope: dict, progress: dict) -> None:
-        """A stream whose client left before it began (Starlette cancels it at once): its generator
-        never ran, nor its cleanup, so the job is cancelled here, or it would generate for nobody."""
-        if not progress["started"]:
+    def stream_ended(job, scope: dict, progress: dict) -> None:
+        """However a stream ended: one whose job was not answered lost its client (mid-stream, or
+        before the stream began, when Starlette cancels it before its generator ever runs), so the
+        job is cancelled, or it would generate for nobody, and the request counts as 499 although
+        its 200 may have gone out."""
+        if not progress["answered"]:
             job.cancel()
             metrics.cancel()
             scope[CLIENT_GONE] = True
 
-    async def stream_events(req: GenerationRequest, job, scope: dict, progress: dict):
-        progress["started"] = True
+    async def stream_events(req: GenerationRequest, job, progress: dict):
         rid, created = _ids(req.kind)
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         state["in_flight"] += 1
@@ -239,7 +240,6 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
             body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], **extra}
             return f"data: {json.dumps(body)}\n\n"
 
-        finished = generated = False  # the stream ended as it should / the job's result is in (and counted)
         try:
             if req.kind == "chat":
                 yield chunk({"role": "assistant", "content": ""})
@@ -249,7 +249,7 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                     yield chunk({"content": payload} if req.kind == "chat" else payload)
                 elif kind == "done":
                     finish(payload)
-                    generated = True
+                    progress["answered"] = True  # (counted: a client leaving now does not cancel it)
                     yield chunk(None, payload.finish_reason, jetflow=jetflow_stats(payload))
                     if req.include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
@@ -257,21 +257,15 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                         yield f"data: {json.dumps(body)}\n\n"
                     break
                 else:  # error or cancellation inside the worker: report it in the stream, then end it
+                    progress["answered"] = True
                     err = payload if isinstance(payload, Exception) else EngineStopped(payload)
                     status = 400 if isinstance(err, InvalidRequestError) else 503 if isinstance(
                         err, EngineStopped) else 500
                     yield f"data: {json.dumps(APIError(status, str(err), type='server_error').body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
-            finished = True
-        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
-            scope[CLIENT_GONE] = True  # counted as 499, though the stream's 200 went out
-            raise
-        finally:
+        finally:  # (a client gone mid-stream: stream_ended cancels the job)
             state["in_flight"] -= 1
-            if not finished and not generated:  # stop generating for nobody
-                job.cancel()
-                metrics.cancel()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -354,7 +348,8 @@ class CleanExitServer(uvicorn.Server):
 
 class JobStream(StreamingResponse):
     """A job's SSE response that calls ``on_end`` however it ends, also when it is cancelled before
-    its body generator first runs (a closed, never-started generator runs no ``finally``)."""
+    its body generator first runs (a closed, never-started generator runs no ``finally``), and at
+    once when its client is gone (the generator itself may be closed only when collected)."""
 
     def __init__(self, content, on_end: Callable[[], None], **kwargs):
         super().__init__(content, **kwargs)
