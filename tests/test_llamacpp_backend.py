@@ -297,6 +297,8 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
     fresh = {shared: target.prefill(follow, return_hidden=False).logits for shared, follow in follows.items()}
     assert target.reused_tokens == 0
     target.prefix_cache = True
+    target.prefill(list(follows.values())[-1] + [13], return_hidden=False)
+    assert target.reused_tokens == 0  # what a request made with the cache off committed is not reused
     for shared, follow in follows.items():
         assert speculative_run() == held
         reused = target.prefill(follow, return_hidden=False).logits
@@ -450,6 +452,8 @@ def test_generate_batch_equals_llama_greedy_per_prompt():
     from jetflow.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         target.generate_batch([[]], 4)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):  # not one token for a limit of 0
+        target.generate_batch(prompts[:1], 0)
 
 
 def test_amx_build_refused_with_a_clear_error(monkeypatch):

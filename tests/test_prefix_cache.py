@@ -143,7 +143,10 @@ def test_no_reuse_when_off_or_after_the_taps_change(runtime):
     assert target.reused_tokens == 0 and target.features.length == 0  # none kept without the cache
     target.prefix_cache = True
     target.prefill([1, 2, 3, 4, 5, 6, 7], return_hidden=False)
-    assert target.reused_tokens == 6
+    assert target.reused_tokens == 0  # what a request made with the cache off committed is not reused
+    target.extend([8], return_hidden=False)
+    target.prefill([1, 2, 3, 4, 5, 6, 7, 8, 9], return_hidden=False)
+    assert target.reused_tokens == 8
     target.prefill([1, 2, 3, 4, 5, 6])  # no features held for the cached part: computed again
     assert target.reused_tokens == 0 and target.features.length == 6
     target.set_tapped_layers([1])

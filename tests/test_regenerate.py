@@ -8,7 +8,7 @@ from jetflow.data.prompts import Prompt
 from jetflow.data.regenerate import regenerate
 from jetflow.data.shards import list_shards, read_shard
 from jetflow.decoding.prompt import encode_prompt
-from jetflow.errors import JetFlowError
+from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.identity import model_identity
 from jetflow.models.target import TargetModel
 from tiny import tiny_model
@@ -34,6 +34,9 @@ def test_batched_generation_equals_single_greedy(target):
             assert ans == jetflow.generate(target, ids, max_new_tokens=20).token_ids
     finally:
         target.model.generation_config.eos_token_id = None
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        target.generate_batch(ps, 0)
+    assert target.generate_batch([], 4) == []
 
 
 def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):

@@ -138,3 +138,40 @@ def test_corrupt_gguf_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelResolutionError, match="could not load GGUF"):
         resolve.convert_gguf(fake_gguf(tmp_path))
+
+
+def test_renames_into_place_come_after_the_bytes_reach_the_disk(tmp_path, monkeypatch):
+    """Files and directories renamed into place (shards, checkpoints, JSON state) are fsynced
+    first, and the directory holding them after: else a power loss can leave a renamed, empty file
+    that a resume takes for finished work."""
+    from jetflow.data.shards import Sequence, read_shard, write_shard
+    from jetflow.utils import fs
+
+    events = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("rename", str(b))) or real_replace(a, b))
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("rename", str(b))) or real_rename(a, b))
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("names open files through /proc")
+
+    def synced_before_rename(final):
+        k = events.index(("rename", str(final)))
+        staged = {path for kind, path in events[:k] if kind == "fsync"}
+        assert any(os.path.basename(p).startswith((".tmp-", final.stem)) for p in staged), events[:k]
+        assert ("fsync", str(final.parent)) in events[k + 1:]
+
+    shard = tmp_path / "shard-00000.npz"
+    write_shard(shard, [Sequence("p", [1, 2, 3], 1)], 100)
+    synced_before_rename(shard)
+    assert read_shard(shard)[0].token_ids == [1, 2, 3]
+    events.clear()
+    fs.write_json_atomic(tmp_path / "state.json", {"a": 1})
+    synced_before_rename(tmp_path / "state.json")
+    events.clear()
+    with atomic_directory(tmp_path / "ckpt") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x")
+    synced_before_rename(tmp_path / "ckpt")
+    k = events.index(("rename", str(tmp_path / "ckpt")))
+    assert any(kind == "fsync" and p.endswith("model.safetensors") for kind, p in events[:k])

@@ -175,6 +175,9 @@ def test_bad_data_is_rejected(target, tokenizer, tmp_path):
         load_sequences(tmp_path, target)
     with pytest.raises(JetFlowError, match="loss"):
         TrainConfig(loss="mse")
+    with pytest.raises(JetFlowError, match="--ttt-steps"):  # a block head has no unroll to set
+        TrainConfig(ttt_steps=2)
+    assert TrainConfig(head="eagle3", ttt_steps=2).ttt_steps == 2
 
 
 def test_cached_teacher_gives_the_online_loss_and_trains_a_reduced_vocab_head(target, data, tmp_path):

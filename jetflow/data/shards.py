@@ -9,7 +9,6 @@ to a temporary file and renamed, so a killed job never leaves a half-written sha
 from __future__ import annotations
 
 import json
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jetflow.errors import JetFlowError
+from jetflow.utils.fs import durable_replace
 
 
 @dataclass
@@ -41,7 +41,7 @@ def write_shard(path: Path, sequences: list[Sequence], vocab_size: int) -> None:
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.asarray([s.prompt_len for s in sequences], np.int32),
              ids=np.asarray(json.dumps([s.prompt_id for s in sequences])))
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
 
 
 def read_shard(path: Path) -> list[Sequence]:

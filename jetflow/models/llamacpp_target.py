@@ -366,6 +366,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self.past_len = 0
         self.token_ids: list[int] = []
         self.features.clear()
+        self._reusable = True  # whether the committed tokens' cells may serve the next prefill
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []
         self._pending_hidden: torch.Tensor | None = None
@@ -414,7 +415,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         if ids.size >= self.max_context:
             raise InvalidRequestError(f"prompt has {ids.size} tokens; the context is {self.max_context} tokens")
         keep = 0
-        if self.reuses_prefixes:
+        if self.reuses_prefixes and self._reusable:
             self._drop_pending()
             keep = self._cached_prefix(ids)
             if return_hidden:
@@ -426,6 +427,7 @@ class LlamaCppTarget(OwnsLlamaContext):
                 self._lib.llama_memory_seq_rm(self._mem, -1, keep, -1)
             else:
                 self.reset()
+            self._reusable = self.reuses_prefixes  # a request made with the cache off leaves nothing to reuse
             self.reused_tokens = keep
             self._compute_taps(return_hidden)
             hidden, out = [self.features.rows(keep)] if return_hidden and keep else [], None

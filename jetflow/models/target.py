@@ -163,6 +163,7 @@ class TargetModel:
         self.token_ids: list[int] = []  # the committed tokens themselves
         self.reused_tokens = 0  # prompt tokens the latest prefill took from the cache
         self.features.clear()
+        self._reusable = True  # whether the committed tokens' cache may serve the next prefill
         self._pending_tokens: list[int] = []
         self._pending_parents: list[int] = []  # tree appended by the last verify, not yet committed
         self._pending_hidden: torch.Tensor | None = None  # its features, the accepted path's kept at commit
@@ -220,7 +221,7 @@ class TargetModel:
                 f"prompt has {ids.numel()} tokens; the model's context is {self.max_context} tokens"
             )
         keep = 0
-        if self.prefix_cache:
+        if self.prefix_cache and self._reusable:
             self._drop_pending()
             keep = shared_prefix_length(self.token_ids, ids.cpu().numpy(), min(self.past_len, ids.numel() - 1))
             if return_hidden:
@@ -232,6 +233,7 @@ class TargetModel:
             self.features.truncate(keep)
         else:
             self.reset()
+        self._reusable = self.prefix_cache  # a request made with the cache off leaves nothing to reuse
         self.reused_tokens = keep
         hidden, logits = [self.features.rows(keep)] if return_hidden and keep else [], None
         try:
@@ -335,6 +337,10 @@ class TargetModel:
         """Answers (token ids, the stop token included when produced) for a batch of prompt ids,
         without the decoder's cache (regeneration of training data). Prompts are left-padded; rows
         that finish are dropped from the batch and its cache, so the batch only pays for live rows."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not prompts:
+            return []
         model, device = self.model, self.device
         eos = sorted(self.stop_token_ids())
         pad = eos[0] if eos else 0

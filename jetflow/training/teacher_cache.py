@@ -32,7 +32,7 @@ from jetflow.data.shards import Sequence
 from jetflow.errors import JetFlowError
 from jetflow.models.identity import identity_conflict, model_identity, settings_conflict
 from jetflow.models.target import TargetModel
-from jetflow.utils.fs import read_manifest, write_json_atomic
+from jetflow.utils.fs import durable_replace, read_manifest, write_json_atomic
 
 FORMAT = "jetflow-teacher-cache/1"
 TEACHER_CACHE = "a `jetflow cache-teacher` manifest"
@@ -132,7 +132,7 @@ def build_teacher_cache(target: TargetModel, sequences: list[Sequence], out_dir:
         }
         tmp = path.with_suffix(".tmp")
         save_file(tensors, tmp, metadata={"format": FORMAT, "digest": digest})
-        tmp.replace(path)
+        durable_replace(tmp, path)
         seconds = time.perf_counter() - t0
         manifest["parts"][path.name] = {"sequences": len(part), "digest": digest, "tokens": int(tensors["offsets"][-1]),
                                         "seconds": seconds, "dtype": target.identity()["dtype"]}

@@ -99,6 +99,9 @@ class TrainConfig:
             raise JetFlowError(f"head must be one of {HEAD_KINDS}, got {self.head!r}")
         if self.ttt_steps < 0:
             raise JetFlowError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
+        if self.ttt_steps and self.head != "eagle3":
+            raise JetFlowError("--ttt-steps unrolls an eagle3 head's training-time test; a block head drafts every "
+                               "depth in one forward and has none")
         if self.loss not in LOSSES:
             raise JetFlowError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.draft_vocab < 0:

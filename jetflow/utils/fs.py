@@ -33,11 +33,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         _umask_modes(tmp)  # mkdtemp (and mkstemp inside) make them owner-only: another user's server could not read it
+        fsync_tree(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
             if not final.is_dir():
                 raise
+        fsync_directory(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -60,6 +62,7 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
     if final.exists():
         final.rename(old)
     staged.rename(final)
+    fsync_directory(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -185,6 +188,47 @@ def atomic_path(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
-        os.replace(tmp, final)
+        durable_replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def durable_replace(src: Path, dst: Path) -> None:
+    """``os.replace(src, dst)`` once ``src``'s bytes are on disk, and the rename too: without the
+    fsyncs a power loss soon after can leave ``dst`` renamed but empty (ext4, xfs), which a resume
+    would then take for finished work."""
+    fsync_file(src)
+    os.replace(src, dst)
+    fsync_directory(Path(dst).parent)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (a directory about to be renamed into place)."""
+    for path in sorted(Path(root).rglob("*"), key=lambda p: -len(p.parts)):
+        if path.is_symlink():
+            continue
+        fsync_directory(path) if path.is_dir() else fsync_file(path)
+    fsync_directory(root)
+
+
+def fsync_directory(path: Path) -> None:
+    """fsync a directory's entries (a rename in it); a no-op where directories cannot be opened or
+    synced (Windows, some network filesystems), which have no other way to ask for it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
