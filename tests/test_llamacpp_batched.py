@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import jetflow
-from jetflow.errors import InvalidRequestError
+from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.loading import llamacpp_available
 from tiny import walk_prefix_cache
 
@@ -48,8 +48,8 @@ def test_rows_equal_each_sequence_alone(llama_target):
             ids.append(batch.join(prompts[3])[0])
         if step == 4:  # a sequence in the middle leaves: the last one's stream moves into its place
             batch.leave(ids.pop(1))
-        k = rng.randrange(1, 5)  # the decoder gives every sequence the same chain length
-        trees = {i: chain(rng, k) for i in ids}
+        k = rng.randrange(1, 5)  # every sequence the same chain length (one graph), or on odd steps each its own
+        trees = {i: chain(rng, rng.randrange(1, 5) if step % 2 else k) for i in ids}
         outs = batch.verify(trees)
         paths = {}
         for i in ids:
@@ -57,7 +57,7 @@ def test_rows_equal_each_sequence_alone(llama_target):
             ref = t.verify(*trees[i])
             assert torch.equal(outs[i].logits, ref.logits), (step, i)
             assert torch.equal(outs[i].hidden, ref.hidden), (step, i)
-            paths[i] = list(range(rng.randrange(1, k + 1)))
+            paths[i] = list(range(rng.randrange(1, len(trees[i][0]) + 1)))
         batch.commit(paths)
     for i in ids:  # the committed cache equals a fresh prefill: the next token's logits agree
         nxt = chain(rng, 1)
@@ -92,6 +92,16 @@ def test_unequal_chains_and_bad_input(llama_target):
     with pytest.raises(InvalidRequestError, match="context of 256"):
         batch.verify({a: chain(rng, 1), b: chain(rng, 300)})
     assert batch.length(a) == 5 and batch.length(b) == 3  # nothing was lost by the refusals
+    taps = t.tapped_layers
+    t.set_tapped_layers([1, 2])  # another drafter's layers: the batch's context computes none of them
+    try:
+        with pytest.raises(JetFlowError, match="make a new batch"):
+            batch.verify({a: chain(rng, 1), b: chain(rng, 1)})
+        with pytest.raises(JetFlowError, match="make a new batch"):
+            batch.join([10, 11])
+    finally:
+        t.set_tapped_layers(taps)
+    batch.verify({a: chain(rng, 1), b: chain(rng, 1)})  # with its own layers again, as before
 
 
 def _request(target, question, budget, **kw):

@@ -117,3 +117,15 @@ def check_path(nodes: Sequence[int], parents: Sequence[int]) -> list[int]:
         if parents[node] != expected:
             raise ValueError(f"nodes {nodes} are not a root-to-node path: parent of {node} is {parents[node]}")
     return nodes
+
+
+def check_same_taps(made_for: Sequence[int], target) -> None:
+    """A batch of a target keeps features of the layers tapped when it was made (and a llama.cpp
+    batch's context computes only those): JetFlowError if another drafter has tapped other layers
+    of the target since, rather than features of the wrong layers, or none."""
+    from jetflow.errors import JetFlowError
+
+    now = tuple(target.tapped_layers)
+    if now != tuple(made_for):
+        raise JetFlowError(f"the target now taps layers {list(now)} (a drafter set them), but this batch was made "
+                           f"for layers {list(made_for)}: make a new batch for that drafter")

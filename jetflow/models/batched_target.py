@@ -30,7 +30,7 @@ from jetflow.errors import InvalidRequestError, JetFlowError
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from jetflow.models.backend import TargetOutput, check_path
+from jetflow.models.backend import TargetOutput, check_path, check_same_taps
 from jetflow.models.prefix_cache import DEFAULT_PREFIX_SLOTS, CommittedFeatures, PrefixEntries
 from jetflow.tree.mask import ancestor_matrix, check_parents, tree_depths
 
@@ -113,6 +113,7 @@ class BatchedTarget:
         if target._sliding_window:
             raise JetFlowError(f"batched decoding does not support sliding-window attention ({target.name}) yet")
         self.target = target
+        self._taps = tuple(target.tapped_layers)  # the rows' and the cache's features are of these layers
         self.max_context = target.max_context
         self.cache = Cache(layers=[_RowsLayer() for _ in range(target.num_layers)])
         self.rows: list[_Row] = []
@@ -155,6 +156,7 @@ class BatchedTarget:
         otherwise push out the finished conversations)."""
         if self._pending is not None:
             raise RuntimeError("join() between verify() and commit()")
+        check_same_taps(self._taps, self.target)
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         entry, m = self._cached.best(prompt.numpy()) if self._caching() and prompt.numel() else (None, 0)
         if entry is not None:  # the scratch target starts from the entry's first m tokens
@@ -242,6 +244,7 @@ class BatchedTarget:
         tapped features [n, taps*H]."""
         if set(trees) != {r.id for r in self.rows}:
             raise ValueError("verify() needs a tree for every sequence in the batch, and only for those")
+        check_same_taps(self._taps, self.target)
         t = self.target
         sizes = {rid: len(tokens) for rid, (tokens, _) in trees.items()}
         if min(sizes.values()) < 1:

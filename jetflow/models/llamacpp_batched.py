@@ -8,8 +8,8 @@ query scans every request's cells) and its cells sit where they would sit if it 
 is that llama.cpp then cuts a batch into ubatches holding the same number of tokens of consecutive
 sequence ids, and a token may belong to one sequence only. So:
 
-* what a request verifies each step is a *chain* (its tree's most likely path), and the decoder
-  gives every request the same chain length, so one step is one graph;
+* what a request verifies each step is a *chain* (its tree's most likely path); chains of
+  different lengths share one decode, which llama.cpp then splits into several ubatches;
 * requests hold sequence ids 0..n-1 with no gap: when one leaves, the last one's stream is copied
   into its place.
 
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from jetflow.errors import InvalidRequestError, JetFlowError
-from jetflow.models.backend import TargetOutput, check_path
+from jetflow.models.backend import TargetOutput, check_path, check_same_taps
 from jetflow.models.llamacpp_target import MAX_SEQ, LlamaCppError, OwnsLlamaContext, _Batch
 from jetflow.models.prefix_cache import DEFAULT_PREFIX_SLOTS, MIN_SHARED, PrefixEntries, shared_prefix_length
 
@@ -96,7 +96,8 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         self.max_context = per_seq
         self._mem = self._lib.llama_get_memory(self._ctx)
         self._batch = _Batch(self._lib, self.n_batch, 1)
-        for t in target.tapped_layers:  # the output of layer t is the input of layer t + 1
+        self._taps = tuple(target.tapped_layers)
+        for t in self._taps:  # the output of layer t is the input of layer t + 1
             target._ext["set_layer_inp"](self._ctx, t + 1, True)
         self.seqs: list[_Seq] = []  # seqs[i].slot == i
         self._next_id = 0
@@ -133,6 +134,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
         cuts equal shares per sequence into one graph) and add them to the batch."""
         if self._pending is not None:
             raise RuntimeError("join() between verify() and commit()")
+        check_same_taps(self._taps, self.target)
         prompts = [np.asarray([int(t) for t in p], dtype=np.int32) for p in prompts]
         if len(self.seqs) + len(prompts) > self.max_seqs:
             raise InvalidRequestError(f"the batch holds at most {self.max_seqs} sequences")
@@ -273,6 +275,7 @@ class LlamaCppBatchedTarget(OwnsLlamaContext):
             raise ValueError("verify() needs a chain for every sequence in the batch, and only for those")
         if self._pending is not None:  # its cells would sit at the same positions as this verify's
             raise RuntimeError("verify() before the last verify was committed")
+        check_same_taps(self._taps, self.target)
         total = sum(len(tokens) for tokens, _ in trees.values())
         if total > self.n_batch:
             raise InvalidRequestError(f"{total} tokens to verify exceed the batch of {self.n_batch}")
