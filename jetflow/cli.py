@@ -103,6 +103,9 @@ def _load_jetflow(args):
                                  auto_state=_auto_state_dir(args.auto_state))
     if args.dtype and jf.target.backend == "llamacpp":
         print(f"[--dtype {args.dtype} applies to the torch backend; llama.cpp runs the GGUF's own types]", file=sys.stderr)
+    if drafter.lower() == "auto" and jf.drafter is None:
+        print(f"[no drafter ships for {jf.target.name}: decoding without one; train one (`jetflow train`) and "
+              "pass it with --drafter DIR]", file=sys.stderr)
     return jf
 
 
@@ -288,7 +291,7 @@ def _data_dir(text: str) -> Path:
     """A `jetflow regenerate` output: a directory holding token shards."""
     from jetflow.data.shards import list_shards
 
-    path = Path(text)
+    path = Path(text).expanduser()
     if not path.is_dir() or not list_shards(path):
         raise argparse.ArgumentTypeError(f"{text} is not a regenerated data directory (no shard-NNNNN.npz files)")
     return path
@@ -601,7 +604,8 @@ def cmd_draft_vocab(args) -> int:
     if args.size > target.vocab_size:
         raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "
                            f"(0: the whole vocabulary), got {args.size}")
-    report = widen_drafter_vocab(target, args.drafter, args.data, args.size, args.out, seed=args.seed)
+    report = widen_drafter_vocab(target, args.drafter, args.data, args.size, args.out, seed=args.seed,
+                                 max_sequences=args.max_sequences)
     print(json.dumps(report))
     return 0
 
@@ -911,6 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--data", action="append", required=True, metavar="DIR",
                    help="the regenerated data the head was trained on (repeat, in training order)")
     w.add_argument("--seed", type=int, default=0, help="the training run's --seed (its held-out split is not counted)")
+    w.add_argument("--max-sequences", type=_positive_int, default=None,
+                   help="the training run's --max-sequences (only its training split is counted)")
     w.add_argument("--size", type=_non_negative_int, required=True,
                    help="new number of draft ids (0: the whole target vocabulary)")
     w.add_argument("--out", required=True, help="directory for the widened head (then `jetflow calibrate` it)")
@@ -1042,9 +1048,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that name files or directories: a leading ~ is the home directory, as in a shell, also
+# where the shell leaves it alone (`--out=~/runs/x`, a quoted path in a script), never a directory "~".
+PATH_OPTIONS = ("out", "data", "drafter", "prompts", "exclude", "init_from", "teacher_cache", "report", "auto_state")
+
+
+def _expand_home(args) -> None:
+    def expand(value):
+        if isinstance(value, list):
+            return [expand(v) for v in value]
+        if isinstance(value, (str, Path)) and str(value).startswith("~"):
+            return type(value)(os.path.expanduser(str(value)))
+        return value
+
+    for name in PATH_OPTIONS:
+        if hasattr(args, name):
+            setattr(args, name, expand(getattr(args, name)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _expand_home(args)
     if getattr(args, "flash_attn", "off") == "on" and getattr(args, "backend", "auto") != "torch":
         print("jetflow: note: --flash-attn on: llama.cpp's fused attention sums in other orders for one row and "
               "for many, so outputs are no longer guaranteed identical to one-token decoding (README, Backends)",

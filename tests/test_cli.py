@@ -155,13 +155,28 @@ def test_compare_and_the_shipped_drafter_by_default(tiny_dir, tiny_drafter, tmp_
     args = ["generate", "hello", "--target", str(tiny_dir), "--max-new-tokens", "12", "--budget", "16", "--compare"]
     monkeypatch.setattr(shipped, "DRAFTERS_DIR", tmp_path)  # no drafter shipped for this target: plain decoding
     assert main(args + ["--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["drafter"] is None and out["tau"] is None and out["lossless"] is True
+    assert "no drafter ships for" in captured.err  # said, not silently plain
     shutil.copytree(tiny_drafter, tmp_path / resolve_model(str(tiny_dir)).name)  # now one is shipped
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "autoregressive" in err and "JetFlow" in err and "speed-up" in err and "text: identical" in err
     assert str(tmp_path) in err
+
+
+def test_the_shipped_drafter_is_found_by_any_name_of_its_target():
+    """A user who loads SmolLM2 by its hub id, a local copy's directory or the packaged GGUF's file
+    gets the drafter shipped for it, as with the short name."""
+    from jetflow.models.shipped import shipped_drafter
+
+    path = shipped_drafter("smollm2-135m-instruct")
+    assert path is not None and path.name == "smollm2-135m-instruct"
+    for name in ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1"):
+        assert shipped_drafter(name) == path, name
+        assert shipped_drafter(name, "dflash") == path.with_name("smollm2-135m-instruct-dflash")
+    assert shipped_drafter("SmolLM2-360M-Instruct") is None and shipped_drafter("other/SmolLM2-135M-Instruct") is None
 
 
 def test_drafter_errors(tiny_dir, tiny_drafter, tmp_path, capsys):
@@ -452,9 +467,17 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(offline[:3] + ["--drafter", str(tmp_path / "cal")] + offline[7:] + ["--no-calibration"]) == 0
     assert not any(r["calibrated"] for r in json.loads((tmp_path / "offline.json").read_text())["drafters"].values())
     # In place (no --out): the same directory gets the calibration, its weights unchanged.
+    # Its subdirectories (a clone's .git) stay, and so do a user's backups named like it.
     shutil.copytree(drafter, tmp_path / "inplace")
+    (tmp_path / "inplace" / ".git").mkdir()
+    (tmp_path / "inplace" / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    shutil.copytree(drafter, tmp_path / "inplace.old")
+    shutil.copytree(drafter, tmp_path / "inplace.new")
     assert main(calibrate[:4] + [str(tmp_path / "inplace")] + calibrate[5:] + ["--sequences", "0:6"]) == 0
     assert json.loads((tmp_path / "inplace" / "config.json").read_text())["tree_calibration"] == fitted
+    assert (tmp_path / "inplace" / ".git" / "HEAD").read_text() == "ref: refs/heads/main"
+    for backup in ("inplace.old", "inplace.new"):
+        assert (tmp_path / backup / "config.json").read_text() == (Path(drafter) / "config.json").read_text()
     # A wider draft vocabulary: the same weights, every old id kept, the calibration dropped (its
     # log-probs change); refused in place and for a smaller size.
     widen = ["draft-vocab", "--target", str(tiny_dir), "--drafter", str(tmp_path / "cal"), "--data",
@@ -473,6 +496,22 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert before.keys() == after.keys()
     assert all(before[k].equal(after[k]) for k in before if k not in ("d2t", "t2d"))
     assert main(widen[:-1] + [str(tmp_path / "cal")]) == 2 and "new directory" in capsys.readouterr().err
+    # A run trained on its first --max-sequences: only that run's training split is counted.
+    from jetflow.models.draft_vocab import token_counts
+    from jetflow.models.loading import load_target
+    from jetflow.training.trainer import EVAL_SEQUENCES, held_out_split, load_sequences
+
+    assert main(widen[:-1] + [str(tmp_path / "wide5"), "--max-sequences", "5"]) == 0
+    covered = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["training_answer_tokens_covered"]
+    tiny = load_target(str(tiny_dir), backend="torch")
+    for n, share in ((5, covered[0]), (6, None)):
+        seqs = load_sequences(tmp_path / "data", tiny, n)
+        counts = token_counts((seqs[i] for i in held_out_split(n, 0, EVAL_SEQUENCES)[1]), tiny.vocab_size)
+        brute = float(counts[old.draft_ids.numpy()].sum() / counts.sum())
+        if share is not None:
+            assert share == pytest.approx(brute)
+        else:
+            assert covered[0] != pytest.approx(brute)  # (the whole data's split counts other answers)
     assert main(widen[:-3] + ["30", "--out", str(tmp_path / "narrow")]) == 2
     assert "only grows" in capsys.readouterr().err and not (tmp_path / "narrow").exists()
 
@@ -698,3 +737,22 @@ def test_number_options_must_be_finite(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "is not a finite number" in capsys.readouterr().err
+
+
+def test_a_leading_tilde_in_path_options_is_the_home_directory(tmp_path, monkeypatch):
+    """`--out=~/x` reaches the program unexpanded (the shell expands ~ only at a word's start): it
+    means the home directory, never a directory named "~"; a prompt's text is left as written."""
+    from jetflow.cli import _expand_home, build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = build_parser().parse_args(["train", "--target", "t", "--data=~/data", "--out=~/runs/x",
+                                      "--init-from", "~/old"])
+    _expand_home(args)
+    assert args.out == tmp_path / "runs" / "x" and args.data == [tmp_path / "data"]
+    assert args.init_from == str(tmp_path / "old")
+    args = build_parser().parse_args(["generate", "~/not a path", "--drafter", "~/head"])
+    _expand_home(args)
+    assert args.prompt == "~/not a path" and args.drafter == str(tmp_path / "head")
+    args = build_parser().parse_args(["generate", "x", "--drafter", "auto"])
+    _expand_home(args)
+    assert args.drafter == "auto"

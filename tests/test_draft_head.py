@@ -200,6 +200,27 @@ def test_config_validation(target):
         DraftHeadConfig.for_target(target, block_size=1)
 
 
+def test_config_json_layouts_and_bad_types(target, tmp_path):
+    """A top-level rope_theta (older layouts, configs written elsewhere) is read as the theta; a
+    wrong type for rope_parameters or target is refused by name, as a checkpoint that does not load."""
+    import json
+
+    from jetflow.models.checkpoint import load_drafter
+    from jetflow.models.draft_head import DrafterMismatchError
+
+    path = make_head(target).save_pretrained(tmp_path / "d")
+    saved = json.loads((path / "config.json").read_text())
+    old = {k: v for k, v in saved.items() if k != "rope_parameters"} | {"rope_theta": 5000.0}
+    assert DraftHeadConfig.from_json(old).rope_theta == 5000.0
+    both = saved | {"rope_theta": 5000.0}  # rope_parameters wins, as transformers 5 reads it
+    assert DraftHeadConfig.from_json(both).rope_theta == saved["rope_parameters"]["rope_theta"]
+    for bad, message in (({"rope_parameters": []}, "'rope_parameters' must be an object"),
+                         ({"target": "smollm2"}, "'target' must be an object")):
+        (path / "config.json").write_text(json.dumps(saved | bad))
+        with pytest.raises(DrafterMismatchError, match=message):
+            load_drafter(path)
+
+
 def test_feature_scale_evens_out_massive_dimensions_and_is_saved(target, tmp_path):
     from safetensors.torch import load_file, save_file
 

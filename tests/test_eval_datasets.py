@@ -87,6 +87,8 @@ def test_jsonl_prompts_all_fields(tmp_path):
     ('{"turns": ["a"], "prompt": "b"}', "has 'turns' and 'prompt'; keep one"),
     ('{"messages": [{"role": "user", "content": "b"}], "question": "c"}', "has 'messages' and 'question'; keep one"),
     ('{"messages": [{"role": "tool", "content": "b"}, {"role": "user", "content": "c"}]}', "message role(s) 'tool'"),
+    ('{"messages": 5}', "own.jsonl:1: 'messages' must be a list"),
+    ('{"messages": true}', "own.jsonl:1: 'messages' must be a list"),
 ])
 def test_jsonl_prompts_bad_records_name_file_and_line(tmp_path, line, message):
     from jetflow.eval.datasets import load_eval_set

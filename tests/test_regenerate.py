@@ -39,6 +39,20 @@ def test_batched_generation_equals_single_greedy(target):
     assert target.generate_batch([], 4) == []
 
 
+def test_a_prompt_the_chat_template_refuses_is_named_and_the_shards_before_it_kept(target, tmp_path):
+    import copy
+
+    strict = copy.copy(target)
+    strict.tokenizer = copy.deepcopy(target.tokenizer)
+    strict.tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                                      "supported') }}{% endif %}" + target.tokenizer.chat_template)
+    bad = Prompt("toy", "toy/sys", (("system", "be brief"), ("user", "q")))
+    with pytest.raises(JetFlowError, match="prompt toy/sys: .*System role not supported"):
+        regenerate(strict, prompts(3) + [bad], tmp_path / "a", max_new_tokens=4, batch_size=3, shard_size=3,
+                   sources="toy", progress=False)
+    assert [p.name for p in list_shards(tmp_path / "a")] == ["shard-00000.npz"]
+
+
 def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
     full = regenerate(target, prompts(7), tmp_path / "a", max_new_tokens=6, batch_size=3, shard_size=3,
                       sources="toy", progress=False)

@@ -94,6 +94,24 @@ def test_unpaired_surrogates_are_refused_with_a_clear_error(tokenizer):
     assert encode_prompt(tokenizer, "hi \U0001F600", chat=False)  # the pair itself is fine
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_clear_error(tokenizer):
+    """Templates raise on what their model has no place for (Gemma: a system message): the request
+    is refused in the template's words, in a prompt and in a conversation alike."""
+    import copy
+
+    from jetflow.decoding.conversation import Conversation
+    from jetflow.decoding.prompt import encode_prompt
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                            "supported') }}{% endif %}" + tokenizer.chat_template)
+    assert encode_prompt(strict, "hi") == encode_prompt(tokenizer, "hi")
+    with pytest.raises(InvalidRequestError, match="chat template refused these messages: System role not supported"):
+        encode_prompt(strict, [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequestError, match="System role not supported"):
+        Conversation(strict, system="be brief").prompt("hi")
+
+
 def stream_for(tokenizer, **kw):
     kw.setdefault("max_new_tokens", 100)
     return OutputStream(tokenizer, stop_token_ids=[tokenizer.eos_token_id], **kw)

@@ -85,8 +85,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(target, data, tmp_path
 
 def test_a_kill_between_or_inside_the_two_saves_resumes_from_one_consistent_save(target, data, tmp_path):
     """A checkpoint is two directory swaps (drafter, then trainer state): a kill after the drafter's
-    leaves it one save ahead of the optimizer and step, and a kill inside a swap leaves ``X.new`` /
-    ``X.old`` behind. A resume must continue from one save, as the uninterrupted run did."""
+    leaves it one save ahead of the optimizer and step, and a kill inside a swap leaves its staged or
+    replaced copy behind. A resume must continue from one save, as the uninterrupted run did."""
     import shutil
 
     seqs = load_sequences(data, target)
@@ -106,10 +106,12 @@ def test_a_kill_between_or_inside_the_two_saves_resumes_from_one_consistent_save
     shutil.copytree(state_at_3, run / "trainer_state")
     with open(run / "train_log.jsonl", "a") as f:
         f.write('{"step": 7, "lo')
-    (run / "drafter.old").mkdir()
-    (run / "drafter.old" / "config.json").write_text("{}")
+    (run / ".drafter.jetflow-replaced").mkdir()
+    (run / ".drafter.jetflow-replaced" / "config.json").write_text("{}")
+    (run / "drafter.old").mkdir()  # a user's own backup: not JetFlow's to remove
     resumed = Trainer(target, seqs, run, cfg)
-    assert resumed.resume() and resumed.step == 3 and not (run / "drafter.old").exists()
+    assert resumed.resume() and resumed.step == 3 and not (run / ".drafter.jetflow-replaced").exists()
+    assert (run / "drafter.old").is_dir()
     resumed.fit(log=lambda r: None)
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
@@ -117,7 +119,7 @@ def test_a_kill_between_or_inside_the_two_saves_resumes_from_one_consistent_save
     assert logged == list(range(1, straight.step + 1))
     # Killed inside the state's swap, after the old copy was moved aside and before the new one was
     # put in place: the complete staged copy is the newer save, and the resume takes it.
-    (run / "trainer_state").rename(run / "trainer_state.new")
+    (run / "trainer_state").rename(run / ".trainer_state.jetflow-staged")
     again = Trainer(target, seqs, run, cfg)
     assert again.resume() and again.step == straight.step and (run / "trainer_state" / "state.pt").is_file()
 

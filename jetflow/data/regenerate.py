@@ -19,7 +19,7 @@ from tqdm import tqdm
 from jetflow.data.prompts import Prompt
 from jetflow.data.shards import REGENERATED, Sequence, shard_path, write_shard
 from jetflow.decoding.prompt import encode_prompt
-from jetflow.errors import JetFlowError
+from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.models.identity import model_identity, settings_conflict
 from jetflow.models.backend import TargetBackend
 from jetflow.utils.fs import read_manifest, write_json_atomic
@@ -82,7 +82,7 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
             bar.update(len(chunk))
             continue
         t0 = time.perf_counter()
-        encoded = [(p, encode_prompt(target.tokenizer, p.as_chat())) for p in chunk]
+        encoded = [(p, _encode(target, p)) for p in chunk]
         skipped = [p.id for p, ids in encoded if len(ids) > prompt_limit]
         encoded = sorted(((p, ids) for p, ids in encoded if len(ids) <= prompt_limit), key=lambda x: len(x[1]))
         generator = torch.Generator(device=target.device).manual_seed(seed * 100_003 + index)
@@ -120,3 +120,10 @@ def regenerate(target: TargetBackend, prompts: list[Prompt], out_dir: str | Path
     write_json_atomic(manifest_path, manifest)
     return manifest
 
+
+def _encode(target: TargetBackend, prompt: Prompt) -> list[int]:
+    try:
+        return encode_prompt(target.tokenizer, prompt.as_chat())
+    except InvalidRequestError as e:  # e.g. a chat template that refuses the prompt's roles
+        raise JetFlowError(f"prompt {prompt.id}: {e}; fix it or leave it out (the shards written so far are kept)") \
+            from None

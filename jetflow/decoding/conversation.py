@@ -14,7 +14,7 @@ is encoded on its own, as SentencePiece does).
 
 from __future__ import annotations
 
-from jetflow.decoding.prompt import check_unicode, encode_prompt
+from jetflow.decoding.prompt import check_unicode, encode_prompt, render_chat
 from jetflow.decoding.result import GenerationResult
 
 
@@ -31,7 +31,7 @@ class Conversation:
         self._asked: tuple[list[dict], str, list[int]] | None = None  # the prompt awaiting its answer
 
     def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, messages)
 
     def prompt(self, text: str) -> list[int]:
         """The token ids of the next turn's prompt, the user saying ``text``."""

@@ -47,9 +47,21 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None = None)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequestError("each chat message needs string fields 'role' and 'content'")
             check_unicode(m["content"], f"message {i}'s content")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The chat template applied to ``messages``, with the generation prompt. A template that refuses
+    them (a system message where the model has none, roles that do not alternate) raises
+    InvalidRequestError with its own words, not a template engine's traceback."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from None
 
 
 def stop_token_ids(tokenizer, model_config=None) -> set[int]:

@@ -37,7 +37,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     if paths.get("causal") == "auto":
         paths["causal"] = shipped_drafter(target.name)
     if paths.get("native") == "auto":  # the shipped DFlash-compatible head
-        paths["native"] = shipped_drafter(f"{target.name}-dflash")
+        paths["native"] = shipped_drafter(target.name, "dflash")
     native = paths.pop("native", None) if any(m.name == "llama-dflash" for m in methods) else None
     if native is not None and not Path(native).is_dir():
         raise JetFlowError(f"drafter checkpoint directory not found: {native}")

@@ -66,15 +66,17 @@ def fit_head_calibration(head: DraftHead, target: TargetModel, sequences: list[S
 
 def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration, out: str | Path) -> Path:
     """A copy of checkpoint ``drafter_dir`` at ``out`` whose config.json holds ``calibration``; every
-    other file is copied byte for byte. ``out`` may be ``drafter_dir`` itself: the new directory
-    replaces it only once complete."""
+    other file and directory (a clone's ``.git``, a download's ``.cache``) is copied as it is. ``out``
+    may be ``drafter_dir`` itself: the new directory replaces it only once complete."""
     src = Path(drafter_dir)
     config = json.loads((src / "config.json").read_text())
     config["tree_calibration"] = calibration.to_json()
     with replace_directory(Path(out), [f.name for f in src.iterdir()]) as tmp:
         for f in src.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
+            if f.is_dir() and not f.is_symlink():
+                shutil.copytree(f, tmp / f.name, symlinks=True)
+            elif f.name != "config.json":
+                shutil.copy2(f, tmp / f.name, follow_symlinks=False)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return Path(out)
 

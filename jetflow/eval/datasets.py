@@ -127,7 +127,7 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
                                       message is the turn (a recorded answer after it is dropped)
     (the fields training prompts use, plus ``turns``) and optionally ``id`` and ``category``
     (per-category tables in the report). The set is named after the file."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise JetFlowError(f"prompt file {path} is a directory" if path.is_dir() else f"prompt file not found: {path}")
     name, prompts, seen = path.stem, [], {}
@@ -145,6 +145,8 @@ def load_jsonl_prompts(path: str | Path) -> list[EvalPrompt]:
         given = [k for k in ("turns", "messages", *JSONL_TEXT_KEYS) if k in r]
         if len(given) > 1:  # one of them would be asked and the others silently dropped
             raise JetFlowError(f"{where}: has {' and '.join(repr(k) for k in given)}; keep one")
+        if "messages" in r and not isinstance(r["messages"], list):
+            raise JetFlowError(f"{where}: 'messages' must be a list of {{\"role\", \"content\"}} objects")
         roles = [m.get("role") for m in r.get("messages") or [] if isinstance(m, dict)]
         if unknown := sorted({str(x) for x in roles} - CHAT_ROLES):
             raise JetFlowError(f"{where}: message role(s) {', '.join(map(repr, unknown))}; "

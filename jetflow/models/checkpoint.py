@@ -25,6 +25,7 @@ def new_head(config: DraftHeadConfig) -> DraftHead:
 def load_drafter(path: str | Path, target=None, device=None, dtype: torch.dtype | None = None) -> DraftHead:
     """Load a drafter checkpoint dir of any kind (a block head, or an EAGLE-3-style head as
     :class:`EagleHead`); with ``target``, refuse one built for a different target."""
+    path = Path(path).expanduser()
     config = read_config(path)
     return HEAD_CLASSES[config.kind].load(path, config, target, device, dtype)
 

@@ -172,7 +172,15 @@ class DraftHeadConfig:
     def from_json(cls, d: dict) -> "DraftHeadConfig":
         d = dict(d)
         dflash = d.pop("dflash_config")
-        rope = d.pop("rope_parameters", {}) or {}
+        rope = d.pop("rope_parameters", None)
+        rope = {} if rope is None else rope
+        if not isinstance(rope, dict):
+            raise ValueError(f"'rope_parameters' must be an object, got {type(rope).__name__}")
+        if d.get("target") is not None and not isinstance(d["target"], dict):
+            raise ValueError(f"'target' must be an object describing the target model, got {type(d['target']).__name__}")
+        # rope_parameters first (transformers 5's layout, what save_pretrained writes), else a top-level
+        # rope_theta (older layouts, as configs written elsewhere have it)
+        theta = rope.get("rope_theta", d.pop("rope_theta", 10000.0))
         names = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in d.items() if k in names}
         if "causal" in dflash:  # the DFlash layout's own flag (a config written elsewhere may have no "attention")
@@ -180,7 +188,7 @@ class DraftHeadConfig:
             if kwargs.setdefault("attention", said) != said:
                 raise ValueError(f"'attention' is {kwargs['attention']!r} but dflash_config.causal is {dflash['causal']}")
         return cls(mask_token_id=dflash["mask_token_id"], target_layer_ids=list(dflash["target_layer_ids"]),
-                   rope_theta=rope.get("rope_theta", 10000.0), **kwargs)
+                   rope_theta=theta, **kwargs)
 
 
 def choose_mask_token_id(tokenizer, vocab_size: int) -> int:

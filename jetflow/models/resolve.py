@@ -85,6 +85,17 @@ def is_known_model(name: str) -> bool:
     return name.strip().lower() in KNOWN_MODELS
 
 
+def known_model_key(name: str) -> str | None:
+    """The short name of a known model given by any of its names: the short name, its hub id (or the
+    hub id's last part, a local copy's directory name) or its packaged GGUF's file stem; None otherwise."""
+    key = str(name).strip().lower()
+    for short, entry in KNOWN_MODELS.items():
+        hub = entry.hub_id.lower()
+        if key in (short, hub, hub.rsplit("/", 1)[-1], Path(entry.filename).stem.lower()):
+            return short
+    return None
+
+
 def locate_gguf(spec: str | os.PathLike | None = None) -> tuple[Path, str] | None:
     """(GGUF file, model name) when ``spec`` names one (a known short name or a ``.gguf`` path),
     without converting anything; None for Hugging Face directories and hub ids."""

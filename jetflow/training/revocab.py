@@ -19,10 +19,12 @@ from jetflow.models.draft_vocab import token_counts, widened_draft_vocab
 from jetflow.training.trainer import EVAL_SEQUENCES, held_out_split, load_sequences
 
 
-def widen_drafter_vocab(target, drafter: str | Path, data, size: int, out: str | Path, seed: int = 0) -> dict:
-    """Write ``drafter`` with a ``size``-id draft vocabulary (0: the whole vocabulary) to ``out``."""
+def widen_drafter_vocab(target, drafter: str | Path, data, size: int, out: str | Path, seed: int = 0,
+                        max_sequences: int | None = None) -> dict:
+    """Write ``drafter`` with a ``size``-id draft vocabulary (0: the whole vocabulary) to ``out``;
+    ``seed`` and ``max_sequences``: the training run's (its split is drawn from that many sequences)."""
     head = load_drafter(drafter, target=target)
-    sequences = load_sequences(data, target)
+    sequences = load_sequences(data, target, max_sequences)
     _, train_split = held_out_split(len(sequences), seed, EVAL_SEQUENCES)
     counts = token_counts((sequences[i] for i in train_split), target.vocab_size)
     try:

@@ -56,7 +56,7 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
     recover_directory(final)
     if replaceable is not None:
         check_replaceable(final, replaceable)
-    staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
+    staged, old = _swap_names(final)
     with atomic_directory(staged) as tmp:
         yield tmp
     if final.exists():
@@ -67,12 +67,12 @@ def replace_directory(final: Path, replaceable: Collection[str] | None = None) -
 
 
 def recover_directory(final: Path) -> None:
-    """Finish a :func:`replace_directory` that a kill interrupted: a staged ``final.new`` is always
-    complete (it is renamed into place only once written), and newer than ``final``, so it is put in
-    place; a leftover ``final.old`` (the copy it replaced) is removed. Readers of a replaced
+    """Finish a :func:`replace_directory` that a kill interrupted: a staged copy is always complete
+    (it is renamed into place only once written), and newer than ``final``, so it is put in place; a
+    leftover replaced copy is removed (both under names of their own, :func:`_swap_names`). Readers of a replaced
     directory (a training run's resume) call this first."""
     final = Path(final).resolve()
-    staged, old = final.with_name(final.name + ".new"), final.with_name(final.name + ".old")
+    staged, old = _swap_names(final)
     if staged.is_dir():
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -80,6 +80,12 @@ def recover_directory(final: Path) -> None:
         staged.rename(final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _swap_names(final: Path) -> tuple[Path, Path]:
+    """The siblings a replace stages the new copy in and moves the old one to: names no user gives a
+    directory (a user's ``final.new`` or ``final.old`` backup is never touched)."""
+    return final.with_name(f".{final.name}.jetflow-staged"), final.with_name(f".{final.name}.jetflow-replaced")
 
 
 def check_replaceable(final: Path, replaceable: Collection[str]) -> None:
