@@ -37,7 +37,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                         "auto (default): llamacpp for GGUF targets on the CPU when llama-cpp-python is installed, "
                         "else torch (training commands always use torch)")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="compute threads of llama.cpp and torch (default: all cores)")
+                   help="compute threads of llama.cpp and torch (default: every CPU this process may use)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off",
                    help="llama.cpp's fused attention kernel: faster decoding, but outputs are no longer guaranteed "
                         "identical to one-token decoding (its one-row and many-row kernels sum in different orders "
@@ -966,10 +966,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of gsm8k, math500, aime, humaneval, mtbench, and .jsonl files of your own prompts "
                         "(fields prompt / question / problem / turns / messages, optional id, category and chat)")
     b.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
-    b.add_argument("--methods", default="ar,jetflow",
-                   help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, eagle3, eagle3-lookup, "
-                        "torch-ar, torch-jetflow, llama-dflash (the reference -- ar, or llama-ar on llama.cpp -- is always run)")
-    b.add_argument("--budgets", default="16,64", help="draft nodes per round for the tree methods")
+    b.add_argument("--methods", default="ar,jetflow-lookup",
+                   help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, "
+                        "jetflow-refine, eagle3, eagle3-lookup, torch-ar, torch-jetflow, llama-dflash (the reference -- ar, "
+                        "or llama-ar on llama.cpp -- is always run; default: %(default)s, what `jetflow generate` "
+                        "decodes with, against plain decoding)")
+    b.add_argument("--budgets", default="auto",
+                   help="draft nodes per round for the tree methods, comma-separated, or auto (default: %(default)s, "
+                        "as `jetflow generate` on a CPU)")
     b.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (default: %(default)s)")
     b.add_argument("--refine", type=_refine_mode, default=1, metavar="N|tree[:N]",
                    help="the second pass of jetflow-refine (and of jetflow-lookup with a head trained for it): N "

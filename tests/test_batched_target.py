@@ -90,12 +90,16 @@ def request(target, prompt, budget, **kw):
     return BatchRequest(ids, params, output, budget=budget, width=3)
 
 
-@pytest.mark.parametrize("lookup", [False, True])
-def test_batched_decoding_equals_solo(target, lookup):
+@pytest.mark.parametrize("lookup, kind", [(False, "block"), (True, "block"), (True, "eagle3")])
+def test_batched_decoding_equals_solo(target, lookup, kind):
     """Requests of different lengths and budgets, joining at different rounds, greedy and seeded
-    sampling: each output equals the same request decoded alone."""
+    sampling: each output equals the same request decoded alone (with either kind of head: each
+    request drafts from its own sequence)."""
+    from jetflow.models.eagle_head import EagleHead
+
     torch.manual_seed(0)
-    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    config = DraftHeadConfig.for_target(target, block_size=6, kind=kind)
+    head = DraftHead(config) if kind == "block" else EagleHead(config)
     specs = [([10, 20, 30, 40], 8, dict(max_new_tokens=30)),
              ([7] * 3 + [11, 12, 13] * 4, 4, dict(max_new_tokens=25)),
              ([99, 98], 0, dict(max_new_tokens=12)),

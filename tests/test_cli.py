@@ -111,6 +111,26 @@ def test_generate_with_drafter_reports_tau_and_checks_lossless(tiny_dir, tiny_dr
     assert len(out["accept_lengths"]) == out["rounds"]
 
 
+def test_check_lossless_fails_when_the_speculative_output_differs(tiny_dir, tiny_drafter, capsys, monkeypatch):
+    """The check compares against a separate autoregressive run: a decoder that emits one wrong token
+    is caught, with exit status 1, "lossless": false and the message."""
+    from jetflow.decoding import speculative
+
+    accept, calls = speculative.accept_path, []
+
+    def one_wrong_bonus(tree, logits, *args):
+        path, bonus = accept(tree, logits, *args)
+        calls.append(bonus)
+        return path, (bonus + 1) % logits.shape[-1] if len(calls) == 2 else bonus
+
+    monkeypatch.setattr(speculative, "accept_path", one_wrong_bonus)
+    rc = main(["generate", "hello", "--target", str(tiny_dir), "--drafter", str(tiny_drafter), "--json",
+               "--max-new-tokens", "12", "--budget", "16", "--width", "3", "--check-lossless"])
+    captured = capsys.readouterr()
+    assert rc == 1 and json.loads(captured.out)["lossless"] is False
+    assert "speculative output differs from autoregressive output" in captured.err
+
+
 @pytest.mark.parametrize("weights,int8", [("auto", True), ("float", False), ("int8", True)])
 def test_draft_weights_int8_on_the_cpu_unless_asked_for_float(tiny_dir, tiny_drafter, weights, int8, capsys,
                                                               monkeypatch):

@@ -316,12 +316,10 @@ def test_prefill_takes_a_shared_prefix_from_the_cache_bit_for_bit(llama_target, 
         assert target.reused_tokens == min(shared, in_cells)
         assert torch.equal(out.logits, fresh[shared].logits), shared
         assert out.hidden.shape == fresh[shared].hidden.shape
-        # The kept features, handed back for the cached part: bit for bit a fresh prefill's, except
-        # for a token committed from a side branch of its tree (computed in the tree's layout: within
-        # the tolerance of side-branch rows, test_verify_nodes_match_their_paths).
-        kept, ref = out.hidden, fresh[shared].hidden
-        assert torch.equal(kept[:len(prompt_ids)], ref[:len(prompt_ids)]), shared
-        assert ((kept - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < HIDDEN_REL_TOL, shared
+        # The kept features, handed back for the cached part: bit for bit a fresh prefill's, those
+        # of tokens committed from a side branch of a tree included (kept from the next decode,
+        # which wrote them again where one-token decoding puts them, not from the tree's layout).
+        assert torch.equal(out.hidden, fresh[shared].hidden), shared
     target.greedy_step(5)  # a plain step reads no features: they end before it
     target.prefill(follow + [5, 6], return_hidden=True)
     assert target.reused_tokens == len(follow)
@@ -469,3 +467,17 @@ def test_amx_build_refused_with_a_clear_error(monkeypatch):
     monkeypatch.setenv("JETFLOW_ALLOW_LLAMA_AMX", "1")
     check_no_amx(amx)
 
+
+
+def test_the_default_thread_count_is_the_cpus_this_process_may_use(monkeypatch):
+    """Under taskset or a container's cpuset, not the host's count: llama.cpp's threads beyond the
+    CPUs given spin-wait on each other."""
+    import os
+
+    from jetflow.utils.cpus import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert usable_cpus() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert usable_cpus() == 64

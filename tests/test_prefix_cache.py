@@ -46,6 +46,11 @@ def test_committed_features_against_brute_force(seed):
             if rows is not None and committed == len(reference):
                 reference += list(rows)
             committed += n
+        elif op < 0.65 and kept.length:  # the last k tokens' rows computed again (a side branch's)
+            k = rng.randint(1, min(kept.length, 5))
+            rows = torch.randn(k, 3)
+            kept.replace_tail(rows)
+            reference[-k:] = list(rows)
         else:  # a prefill keeping the first n committed tokens
             n = rng.randint(0, committed)
             kept.truncate(n)
@@ -58,6 +63,8 @@ def test_committed_features_against_brute_force(seed):
             assert kept.rows(0).shape[0] == 0
     with pytest.raises(ValueError, match="held for"):
         kept.rows(kept.length + 1)
+    with pytest.raises(ValueError, match="cannot replace the last"):
+        kept.replace_tail(torch.randn(kept.length + 1, 3))
 
 
 def reference_forward(model, ids, taps):

@@ -81,8 +81,12 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
                    sources="toy", progress=False)
     assert [p.name for p in list_shards(tmp_path / "b")] == ["shard-00000.npz"]
     monkeypatch.undo()
+    asked = []  # the prompts the resume generates for: only those of the shards not written
+    monkeypatch.setattr(target, "generate_batch", lambda batch, *a: asked.extend(batch) or real(batch, *a))
     resumed = regenerate(target, prompts(7), tmp_path / "b", max_new_tokens=6, batch_size=3, shard_size=3,
                          sources="toy", progress=False)
+    monkeypatch.undo()
+    assert len(asked) == 4  # shards 1 and 2: prompts 3..6
     assert resumed["complete"] and resumed["totals"] == full["totals"]
     for a, b in zip(shards, list_shards(tmp_path / "b")):
         assert [s.token_ids for s in read_shard(a)] == [s.token_ids for s in read_shard(b)]

@@ -112,6 +112,8 @@ def test_models_chat_and_completions(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="Once upon", max_tokens=10, temperature=0, stream=True))
     assert streamed == comp.choices[0].text and comp.usage.completion_tokens == 10
+    newer = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=5, temperature=0)
+    assert newer.usage.completion_tokens == 5 and newer.choices[0].finish_reason == "length"
 
 
 def test_greedy_text_equals_offline_decoding_and_stop_strings(client, endless_dir):
@@ -129,6 +131,14 @@ def test_greedy_text_equals_offline_decoding_and_stop_strings(client, endless_di
     seeded = [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0.8, top_p=0.9,
                                              seed=7).choices[0].message.content for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # the sampling parameters take effect: the text is the target's own seeded sampling (speculative
+    # sampling draws each token from the target's distribution with the same generator), not greedy
+    sampled = jetflow.generate(target, msgs, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7).text
+    assert seeded[0] == sampled != want
+    top_k = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=1.0, seed=3,
+                                           extra_body={"top_k": 2}).choices[0].message.content
+    assert top_k == jetflow.generate(target, msgs, max_new_tokens=16, temperature=1.0, top_k=2, seed=3).text
+    assert top_k != jetflow.generate(target, msgs, max_new_tokens=16, temperature=1.0, seed=3).text
 
 
 def post(base, path, body, key=KEY, raw=None, headers=None):
@@ -150,6 +160,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ({**CHAT, "messages": [{"role": "user", "content": "  "}]}, None, 400, "non-empty user message"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "needs a 'role'"),
     ({**CHAT, "model": "gpt-9"}, None, 404, "The model 'gpt-9' does not exist"),
+    ({**CHAT, "max_completion_tokens": 0}, None, 400, "'max_completion_tokens' must be >= 1"),
+    ({**CHAT, "max_completion_tokens": 10**6}, None, 400, "max_completion_tokens 1000000 + prompt"),
     ({**CHAT, "temperature": "hot"}, None, 400, "'temperature' must be a number"),
     ({**CHAT, "max_tokens": "many"}, None, 400, "'max_tokens' must be an integer"),
     ({**CHAT, "max_tokens": -5}, None, 400, "'max_tokens' must be >= 1"),
@@ -529,3 +541,44 @@ def test_health_is_503_once_the_worker_has_died():
     engine.failure = "the generation worker stopped: MemoryError: no room"
     sent = call_app(app, "GET", "/health")
     assert sent[0]["status"] == 503 and b"MemoryError" in sent[1]["body"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("event, status, code", [
+    (("error", "step"), 500, None),  # the batch's step failed: the server's fault, not the request's
+    (("cancelled", "the server is shutting down"), 503, "shutting_down"),
+    (("error", "invalid"), 400, None),  # the worker found the request itself unusable
+])
+def test_what_the_worker_reports_maps_to_the_status_a_client_sees(event, status, code, stream):
+    """Each way a job can end inside the worker, as a plain response's status and error body, and
+    as a stream's error event (its 200 already sent), with the request counted under that status."""
+    from jetflow.errors import InvalidRequestError
+    from jetflow.serve.app import create_app
+    from jetflow.serve.engine import StepFailed
+    from jetflow.serve.metrics import Metrics
+
+    kind, what = event
+    payload = {"step": StepFailed("batch step failed: RuntimeError: boom"),
+               "invalid": InvalidRequestError("prompt too long for the batch")}.get(what, what)
+
+    class Reporting(RecordingEngine):
+        def submit(self, ids, request):
+            job = super().submit(ids, request)
+            job.events.put_nowait((kind, payload))
+            return job
+
+    metrics = Metrics()
+    app = create_app(Reporting(), "tiny", metrics=metrics)
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream}).encode()
+    sent = call_app(app, "POST", "/v1/completions", body)
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    if stream:
+        assert sent[0]["status"] == 200 and text.rstrip().endswith("data: [DONE]")
+        error = json.loads(text.split("data: ")[1])["error"]
+    else:
+        assert sent[0]["status"] == status
+        error = json.loads(text)["error"]
+        assert f'jetflow_requests_total{{endpoint="/v1/completions",status="{status}"}} 1' in metrics.render(0, 0)
+    assert str(payload) in error["message"] and error["type"] in ("server_error", "invalid_request_error")
+    if code and not stream:
+        assert error["code"] == code

@@ -226,3 +226,41 @@ def test_request_options_are_checked_by_name(target):
     assert jetflow.RequestSupersededError is RequestSupersededError
     with pytest.raises(InvalidRequestError, match="expected a loaded target, got the name 'smollm2-135m-instruct'"):
         jetflow.generate("smollm2-135m-instruct", "hi")
+
+
+def test_decoders_sharing_a_target_each_read_their_own_heads_layers(target):
+    """Two decoders on one target, heads tapping different layers: each request taps its own head's
+    (the later decoder's construction set the target's taps to its head's; the earlier one's head
+    would get features of the wrong width)."""
+    torch.manual_seed(0)
+    a = jetflow.JetFlow(target, DraftHead(DraftHeadConfig.for_target(target, block_size=6)))
+    target.set_tapped_layers([1, 2, 3])
+    b = jetflow.JetFlow(target, DraftHead(DraftHeadConfig.for_target(target, block_size=6)))
+    try:
+        ar = jetflow.generate(target, PROMPT, max_new_tokens=20)
+        for jf, taps in ((a, (0, 2)), (b, (1, 2, 3)), (a, (0, 2))):
+            assert jf.generate(PROMPT, max_new_tokens=20, budget=8).token_ids == ar.token_ids
+            assert target.tapped_layers == taps
+    finally:
+        target.set_tapped_layers([0, 2])
+
+
+def test_drafters_that_read_no_features_are_given_none(target, monkeypatch):
+    """Prompt lookup alone, and a budget of 0, never read the target's features: none are copied
+    out (a cost the `lookup` baseline paid for nothing), and budget 0 takes plain greedy steps."""
+    from jetflow.decoding.lookup_drafter import LookupDrafter
+
+    asked, steps = [], []
+    verify, prefill, greedy_step = target.verify, target.prefill, target.greedy_step
+    monkeypatch.setattr(target, "verify", lambda *a, **k: asked.append(k["return_hidden"]) or verify(*a, **k))
+    monkeypatch.setattr(target, "prefill", lambda *a, **k: asked.append(k["return_hidden"]) or prefill(*a, **k))
+    monkeypatch.setattr(target, "greedy_step", lambda t: steps.append(t) or greedy_step(t))
+    prompt = [5, 6, 7, 8] * 5
+    ar = jetflow.generate(target, prompt, max_new_tokens=20)
+    asked.clear()
+    lookup = jetflow.JetFlow(target, drafter=LookupDrafter(target)).generate(prompt, max_new_tokens=20, budget=8)
+    assert lookup.token_ids == ar.token_ids and len(asked) > 1 and not any(asked)
+    asked.clear(), steps.clear()
+    plain = random_jetflow(target).generate(prompt, max_new_tokens=20, budget=0)
+    assert plain.token_ids == ar.token_ids and not any(asked) and len(steps) == len(ar.token_ids) - 1
+    assert not lookup.stats["features"] and not plain.stats["features"]

@@ -82,9 +82,12 @@ def test_cache_equals_online_teacher_and_resumes(target, tmp_path, monkeypatch):
         build_teacher_cache(target, seqs, out, top_k=target.vocab_size, sequences_per_part=3, batch_tokens=10_000,
                             progress=False)
     assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.safetensors"]
-    monkeypatch.setattr(cache_mod, "_teacher_for_batch", real)
+    resumed = []  # the sequences the resume runs the target on: only those of the parts not written
+    monkeypatch.setattr(cache_mod, "_teacher_for_batch", lambda t, batch, *a: resumed.extend(batch) or real(t, batch, *a))
     manifest = build_teacher_cache(target, seqs, out, top_k=target.vocab_size, sequences_per_part=3,
                                    batch_tokens=40, progress=False)
+    monkeypatch.setattr(cache_mod, "_teacher_for_batch", real)
+    assert sorted(s.token_ids for s in resumed) == sorted(s.token_ids for s in seqs[3:])
     assert manifest["complete"] and len(manifest["parts"]) == 3
     assert {p["dtype"] for p in manifest["parts"].values()} == {"float32"}  # which precision computed each part
 

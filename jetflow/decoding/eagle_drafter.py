@@ -14,6 +14,7 @@ Per round, with the anchor (the last token the target chose) at position p:
 
 from __future__ import annotations
 
+import copy
 import heapq
 
 import torch
@@ -46,6 +47,14 @@ class EagleDrafter:
         self.vocab_size = target.vocab_size
         self.block_size = head.config.block_size  # deepest level + 1, as for the block heads
         self.reset()
+
+    def fork(self, target: TargetBackend) -> "EagleDrafter":
+        """A drafter for another sequence (a batch's request, ``target`` its view): the same
+        read-only weights, that sequence's committed tokens, an empty context."""
+        twin = copy.copy(self)
+        twin.target = target
+        twin.reset()
+        return twin
 
     def reset(self) -> None:
         self.fused: list[torch.Tensor] = []  # fused target feature per committed position (chunks)

@@ -37,9 +37,13 @@ def speculative_stream(
     t0 = time.perf_counter()
     stats = SpeculativeStats(device=target.device)
     generator = params.make_generator(target.device)
+    head = getattr(drafter, "head", None)
+    if head is not None:  # several decoders may share the target: this one reads its own head's layers
+        target.set_tapped_layers(head.config.target_layer_ids)
     # Without features (the head settled as losing, decoding/budget.py) no round may draft; a request
-    # that collects them stops once it has drafted and the head is settled as losing.
-    features = adaptive is None or adaptive.collects_features()
+    # that collects them stops once it has drafted and the head is settled as losing. A drafter
+    # without a head (prompt lookup) and a budget of 0 never read them.
+    features = adaptive.collects_features() if adaptive is not None else head is not None and budget != 0
     pre = target.prefill(prompt_ids, return_hidden=features)
     cached = target.reused_tokens
     drafter.reset()
@@ -49,7 +53,7 @@ def speculative_stream(
     prefill_s = time.perf_counter() - t0
     # Most rounds of `auto` where drafts do not pay: the runtime's own greedy step, with no tree and
     # one timing (their Python runs right after a decode, with cold caches, so it costs ~1% of a step).
-    plain_steps = adaptive is not None and params.greedy and not features
+    plain_steps = (adaptive is not None or budget == 0) and params.greedy and not features
     dropped = False  # features stopped mid-request: the head drafted and settled as losing
     drafted_last = False  # the previous round drafted: this round's draft projects only its features
     finished = output.add(root)
@@ -64,22 +68,23 @@ def speculative_stream(
             break
         tree = None
         if budget == 0:
-            tree = DraftTree.root_only(root)
+            tree = PLAIN
             stats.round_kinds["plain"] += 1
         elif adaptive is not None:
             tree = _round_without_draft(adaptive, drafter, root, room, stats, may_draft=features)
-            if tree is PLAIN and plain_steps:  # no logits copied out, no tree bookkeeping
-                t = time.perf_counter()
-                root = target.greedy_step(root)
-                t = time.perf_counter() - t
-                stats.seconds["verify"] += t
+        if tree is PLAIN and plain_steps:  # no logits copied out, no tree bookkeeping
+            t = time.perf_counter()
+            root = target.greedy_step(root)
+            t = time.perf_counter() - t
+            stats.seconds["verify"] += t
+            if adaptive is not None:
                 adaptive.observe_plain(t * 1e3)
-                stats.accept_lengths.append(1)
-                stats.tree_sizes.append(0)
-                finished, drafted_last = output.add(root), False
-                continue
-            if tree is PLAIN:
-                tree = DraftTree.root_only(root)
+            stats.accept_lengths.append(1)
+            stats.tree_sizes.append(0)
+            finished, drafted_last = output.add(root), False
+            continue
+        if tree is PLAIN:
+            tree = DraftTree.root_only(root)
         before = dict(stats.seconds)
         drafted, nodes, build_ms = tree is None, None, 0.0
         if drafted:

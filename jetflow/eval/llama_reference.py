@@ -8,18 +8,17 @@ from pathlib import Path
 
 from jetflow.decoding.output import OutputStream
 from jetflow.models.llamacpp_target import DEFAULT_BATCH, LlamaCppError
+from jetflow.utils.cpus import usable_cpus
 
 
 def open_llama(gguf: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None, flash_attn: bool = False):
     """A ``llama_cpp.Llama`` with the context settings the JetFlow backend uses (threads, batch,
     attention kernel), so both run the same kernels."""
-    import os
-
     try:
         from llama_cpp import Llama
     except ImportError as e:
         raise LlamaCppError(f"llama-cpp-python is not installed: {e}") from None
-    threads = n_threads or os.cpu_count() or 1
+    threads = n_threads or usable_cpus()
     return Llama(str(gguf), n_ctx=n_ctx, n_batch=DEFAULT_BATCH, n_ubatch=DEFAULT_BATCH, n_threads=threads,
                  n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from jetflow.utils.cpus import usable_cpus
+
 
 def cpu_name() -> str:
     try:
@@ -39,7 +41,7 @@ def cpu_flags() -> list[str]:
 
 def machine() -> dict:
     cuda = torch.cuda.is_available()
-    out = {"platform": platform.platform(), "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+    out = {"platform": platform.platform(), "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(),
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "cuda": torch.cuda.get_device_name() if cuda else None}

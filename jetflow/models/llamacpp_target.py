@@ -30,6 +30,7 @@ from jetflow.models.identity import weights_fingerprint
 from jetflow.models.prefix_cache import CommittedFeatures, shared_prefix_length
 from jetflow.tree.build import main_chain_nodes
 from jetflow.tree.mask import check_parents, is_chain, tree_depths
+from jetflow.utils.cpus import usable_cpus
 from jetflow.utils.fs import file_digest
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: at most this many root-to-leaf paths per verified tree
@@ -245,7 +246,7 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         train_ctx = int(lib.llama_model_n_ctx_train(self._model))
-        self.n_threads = int(n_threads or os.cpu_count() or 1)
+        self.n_threads = int(n_threads or usable_cpus())
         context = min(n_ctx, train_ctx) if train_ctx > 0 else n_ctx
         if context < MAX_SEQ or n_batch < MAX_SEQ:  # (llama.cpp would abort the process)
             raise LlamaCppError(f"the llama.cpp backend needs a context and a batch of at least {MAX_SEQ} tokens (a "
@@ -502,6 +503,13 @@ class LlamaCppTarget(OwnsLlamaContext):
         self._pending_tokens, self._pending_parents, self._pending_members = ids.tolist(), parents, member
         self._pending_order = order
         out = self._outputs(n + m, n + m, return_hidden)
+        if m and self.features.length == self.past_len:
+            # The side branch's features were kept from its tree's layout: the rows just computed
+            # where one-token decoding puts them replace them (none: they go, not kept inexact).
+            if out.hidden is not None:
+                self.features.replace_tail(out.hidden[:m].clone())
+            else:
+                self.features.truncate(self.past_len - m)
         if order is None:  # rows already in node order
             out = TargetOutput(out.logits[m:], out.hidden[m:] if out.hidden is not None else None)
         else:

@@ -48,6 +48,15 @@ class CommittedFeatures:
             self._chunks.append(rows)
             self.length += rows.shape[0]
 
+    def replace_tail(self, rows: torch.Tensor) -> None:
+        """New rows for the last ``len(rows)`` tokens held (recomputed as a fresh prefill computes them)."""
+        k = rows.shape[0]
+        if not 0 < k <= self.length:
+            raise ValueError(f"features are held for {self.length} tokens: cannot replace the last {k}")
+        self.truncate(self.length - k)
+        self._chunks.append(rows)
+        self.length += k
+
     def truncate(self, n: int) -> None:
         """Keep the rows of the first ``n`` tokens."""
         if n >= self.length:

@@ -129,8 +129,8 @@ def create_app(engine: Engine, model_name: str, *, aliases: tuple[str, ...] = ()
                               "messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
         room = context - len(ids)
         if req.max_tokens is not None and req.max_tokens > room:
-            raise bad_request(f"max_tokens {req.max_tokens} + prompt {len(ids)} tokens exceed this model's context "
-                              f"of {context} tokens (at most {room} new tokens)", "max_tokens",
+            raise bad_request(f"{req.limit_name} {req.max_tokens} + prompt {len(ids)} tokens exceed this model's "
+                              f"context of {context} tokens (at most {room} new tokens)", req.limit_name,
                               code="context_length_exceeded")
         return ids, req.max_tokens or room
 

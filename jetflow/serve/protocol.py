@@ -37,6 +37,7 @@ class GenerationRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    limit_name: str = "max_tokens"  # which field gave max_tokens (newer clients send max_completion_tokens)
 
 
 def parse_body(raw: bytes, max_bytes: int) -> dict:
@@ -188,4 +189,5 @@ def parse_request(body: dict, kind: str, models: set[str]) -> GenerationRequest:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(0, _integer(body, "top_k", -1, 2**31 - 1) or 0),  # -1 is vLLM's "off"
-        stop=stop, seed=_integer(body, "seed", *SEED_RANGE), stream=stream, include_usage=include_usage)
+        stop=stop, seed=_integer(body, "seed", *SEED_RANGE), stream=stream, include_usage=include_usage,
+        limit_name=limit_name)
