@@ -26,7 +26,8 @@ def heads(tiny_dir, tmp_path_factory):
         torch.manual_seed(1)
         if layers:  # the baseline reads other target layers: the runner must switch the taps
             target.set_tapped_layers(layers)
-        head = DraftHead(DraftHeadConfig.for_target(target, block_size=6, attention=kind))
+        block = 6 if kind == "causal" else 7  # blocks of their own: each chain method verifies its head's
+        head = DraftHead(DraftHeadConfig.for_target(target, block_size=block, attention=kind))
         paths[kind] = head.save_pretrained(root / kind)
     torch.manual_seed(2)
     eagle = EagleHead(DraftHeadConfig.for_target(target, num_hidden_layers=1, block_size=4, kind="eagle3"))
@@ -52,7 +53,7 @@ def test_every_method_equals_ar_under_greedy(tiny_dir, heads):
         if spec.head is not None:
             assert result.stats["rounds"] == len(result.stats["accept_lengths"])
             if spec.name != "torch-jetflow":  # that one runs the torch runtime's default budget (16)
-                assert result.stats["mean_tree_size"] <= (8 if spec.tree else 5)
+                assert result.stats["mean_tree_size"] <= (8 if spec.tree else 6 if spec.head == "bidirectional" else 5)
     chain = runner.run(METHODS["jetflow-chain"], prompt, budget=None, max_new_tokens=20)
     assert chain.stats["width"] == 1 and chain.stats["budget"] == 5  # block_size - 1 drafts in a path
 
@@ -161,14 +162,15 @@ def test_bench_cli_outputs_resume_and_mismatch_failure(tiny_dir, heads, tmp_path
     auto = auto["summary"]
     assert auto["mismatches"] == [] and 0 <= auto["mean_tree_size"] <= 256  # 0: plain steps only
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
-    # the budgets, 5 = chain of block_size - 1, and the curve every report shows
-    assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "8"} | {str(n) for n in CURVE_SIZES}
+    # the budgets, 5 and 6 = the chains of each head's block_size - 1, and the curve every report shows
+    assert summary["cost_model"]["verify_ms"].keys() == {"4", "5", "6", "8"} | {str(n) for n in CURVE_SIZES}
     assert summary["cost_model"]["draft_ms"].keys() == {"causal", "bidirectional", "eagle3"}
     assert "| gsm8k | eagle3 | 8 |" in (tmp_path / "b" / "summary.md").read_text()
     mixed = json.loads((tmp_path / "b" / "runs" / "gsm8k__eagle3-lookup__b8.json").read_text())["summary"]
     assert mixed["mismatches"] == [] and mixed["prompts"] == 1  # the EAGLE tree with lookup merged in
     md = (tmp_path / "b" / "summary.md").read_text()
     assert "| gsm8k | ddtree | 8 |" in md and "## Cost model" in md and "**NO" not in md
+    assert "| gsm8k | jetflow-chain | 5 |" in md and "| gsm8k | dflash | 6 |" in md  # priced at their own lengths
 
     from jetflow.eval import methods
 

@@ -200,6 +200,28 @@ def test_config_validation(target):
         DraftHeadConfig.for_target(target, block_size=1)
 
 
+def test_a_drafter_for_another_vocabulary_of_the_same_size_is_refused(target, tmp_path):
+    """Sizes alone do not tell Llama-2 from Mistral (32,000 ids, 4,096 wide, 32 layers each): a head
+    records its target's vocabulary digest and is refused by a target whose tokens differ; a head
+    from before the digest (none recorded) still loads."""
+    import json
+
+    from jetflow.models.checkpoint import load_drafter
+    from jetflow.models.draft_head import DrafterMismatchError
+    from jetflow.models.identity import tokenizer_digest
+
+    path = make_head(target).save_pretrained(tmp_path / "d")
+    config = json.loads((path / "config.json").read_text())
+    assert config["target"]["tokenizer"] == tokenizer_digest(target.tokenizer)
+    load_drafter(path, target=target)
+    (path / "config.json").write_text(json.dumps(config | {"target": config["target"] | {"tokenizer": "0" * 16}}))
+    with pytest.raises(DrafterMismatchError, match="tokenizer: the drafter was built for another vocabulary"):
+        load_drafter(path, target=target)
+    del config["target"]["tokenizer"]
+    (path / "config.json").write_text(json.dumps(config))
+    load_drafter(path, target=target)
+
+
 def test_config_json_layouts_and_bad_types(target, tmp_path):
     """A top-level rope_theta (older layouts, configs written elsewhere) is read as the theta; a
     wrong type for rope_parameters or target is refused by name, as a checkpoint that does not load."""

@@ -33,6 +33,34 @@ def test_directory_without_config(tmp_path):
         resolve_model(tmp_path / "x.txt")
 
 
+def test_a_directory_that_is_not_a_usable_causal_lm_is_a_clear_error(tmp_path, tiny_dir):
+    """A fine-tune saved without its tokenizer, a copy cut short, a model of another kind: errors
+    that name the directory and what is wrong, not transformers' tracebacks."""
+    import json
+    import shutil
+
+    from jetflow.models.target import TargetModel
+
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for f in tiny_dir.iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, no_tokenizer / f.name)
+    with pytest.raises(ModelResolutionError, match="no-tokenizer: no usable tokenizer in"):
+        TargetModel.load(str(no_tokenizer))
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_dir, cut)
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ModelResolutionError, match="cut: transformers could not load a causal language model"):
+        TargetModel.load(str(cut))
+    encoder = tmp_path / "encoder"
+    shutil.copytree(tiny_dir, encoder)
+    config = json.loads((encoder / "config.json").read_text())
+    (encoder / "config.json").write_text(json.dumps(config | {"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ModelResolutionError, match="encoder: bert models are not supported"):
+        TargetModel.load(str(encoder))
+
+
 def test_hub_id_offline_fails_clearly(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelResolutionError, match="Hugging Face Hub"):

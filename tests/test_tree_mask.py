@@ -12,10 +12,18 @@ def random_parents(n, rng, forest=False):
             for i in range(n)]
 
 
+def brute_force_depth(parents, i):
+    depth = 0
+    while parents[i] >= 0:
+        i, depth = parents[i], depth + 1
+    return depth
+
+
 def brute_force_allowed(parents, past_len, window=None):
-    """Walk each node's ancestry explicitly."""
+    """Walk each node's ancestry explicitly (its depth too: the mask module's own tree_depths is
+    not the reference)."""
     n = len(parents)
-    depth = tree_depths(parents)
+    depth = [brute_force_depth(parents, i) for i in range(n)]
     allowed = torch.zeros(n, past_len + n, dtype=torch.bool)
     for i in range(n):
         q_pos = past_len + depth[i]
@@ -38,6 +46,7 @@ def test_tree_mask_matches_brute_force(seed, window):
     assert mask.shape == (1, 1, n, past + n)
     expected = brute_force_allowed(parents, past, window)
     assert torch.equal(mask[0, 0] == 0, expected)
+    assert tree_depths(parents) == [brute_force_depth(parents, i) for i in range(n)]
     assert torch.all(mask[0, 0][~expected] == torch.finfo(torch.float32).min)
 
 

@@ -62,11 +62,11 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = run_benchmark(runner, methods, datasets, budgets, settings, out, interleave=interleave, overwrite=overwrite)
-    costs, block = None, None
+    costs, blocks = None, {}
     if cost_model:  # verify curve once; draft cost per head (EAGLE's grows with depth)
         drafters_used = {kind: d.drafter for kind, d in runner.decoders.items()}
-        block = next((d.block_size for k, d in drafters_used.items() if k != "eagle3"), None)
-        sizes = sorted({b for b in budgets if b != "auto"} | ({block - 1} if block else set()) | CURVE_SIZES)
+        blocks = {k: d.block_size for k, d in drafters_used.items() if k != "eagle3"}  # the chain methods' lengths
+        sizes = sorted({b for b in budgets if b != "auto"} | {b - 1 for b in blocks.values()} | CURVE_SIZES)
         context = typical_context(runs)
         costs = measure_costs(target, sizes, None, context=context)
         costs["draft_ms"] = {kind: measure_costs(target, sizes, d, context=context, width=width)["draft_ms"]
@@ -78,7 +78,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     info = {"machine": machine(), "settings": settings.key(), "cost_model": costs,
             "runs": [{k: r[k] for k in ("dataset", "method", "budget", "summary")} for r in runs]}
     write_json_atomic(out / "summary.json", info)
-    write_text_atomic(out / "summary.md", markdown(runs, info["machine"], settings.key(), costs, block))
+    write_text_atomic(out / "summary.md", markdown(runs, info["machine"], settings.key(), costs, blocks))
     written = plots(runs, out)
     summary = {"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}
     return summary, report_mismatches(runs, temperature == 0)

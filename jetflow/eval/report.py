@@ -12,13 +12,13 @@ def _budget_cell(run: dict) -> str:
     return "-" if run["budget"] is None else str(run["budget"])
 
 
-def _chain_budget(run: dict, block_size: int | None) -> int | None:
-    """Draft nodes a run verifies per round: its budget, or block_size - 1 for the chain methods."""
+def _chain_budget(run: dict, block_sizes: dict[str, int]) -> int | None:
+    """Draft nodes a run verifies per round: its budget, or its own head's block size - 1 for the
+    chain methods (``block_sizes``: per head kind; the baseline's block may differ from JetFlow's)."""
     if run["budget"] is not None:
         return run["budget"]
-    if run["method"] in ("dflash", "jetflow-chain") and block_size:
-        return block_size - 1
-    return None
+    block = block_sizes.get(METHODS[run["method"]].head) if run["method"] in ("dflash", "jetflow-chain") else None
+    return block - 1 if block else None
 
 
 def best_runs(runs: list[dict]) -> dict[tuple[str, str], dict]:
@@ -36,7 +36,7 @@ RUN_TABLE_HEAD = ["| dataset | method | budget | tau | tok/s | speed-up | 95% in
 
 
 def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None = None,
-             block_size: int | None = None) -> str:
+             block_sizes: dict[str, int] | None = None) -> str:
     lines = ["# JetFlow benchmark", "",
              f"Machine: {machine.get('cpu', '?')} ({', '.join(machine.get('cpu_flags') or ['flags unknown'])}), "
              f"{machine.get('threads', '?')} threads, torch "
@@ -84,7 +84,7 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
                   "| dataset | method | budget n | c(n+1)/c(1) | draft ms | verify ms | bound | measured |",
                   "|---|---|---|---|---|---|---|---|"]
         for run in runs:
-            n = _chain_budget(run, block_size)
+            n = _chain_budget(run, block_sizes or {})
             if n is None or n not in costs["verify_ms"]:
                 continue
             s = run["summary"]

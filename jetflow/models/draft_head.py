@@ -21,6 +21,7 @@ from torch import nn
 
 from jetflow.errors import JetFlowError
 from jetflow.models.draft_vocab import mapping_tensors
+from jetflow.models.identity import tokenizer_digest
 from jetflow.models.layers import DecoderLayer, RMSNorm, Rotary
 from jetflow.tree.calibration import TreeCalibration
 from jetflow.utils.fs import replace_directory
@@ -148,7 +149,7 @@ class DraftHeadConfig:
             slot_token_gain=slot_token_gain,
             shift_tokens=shift_tokens,
             path_projection=path_projection,
-            target=target.identity(),
+            target=_target_record(target),
             kind=kind,
         )
 
@@ -412,6 +413,12 @@ def read_config(path: str | Path) -> DraftHeadConfig:
         raise DrafterMismatchError(f"{cfg_file} is not a valid drafter config: {e}") from None
 
 
+def _target_record(target) -> dict:
+    """What a new head's config records of its target: its identity and its vocabulary's digest."""
+    digest = tokenizer_digest(getattr(target, "tokenizer", None))
+    return {**target.identity(), **({"tokenizer": digest} if digest else {})}
+
+
 def check_compatible(config: DraftHeadConfig, target) -> None:
     """Raise DrafterMismatchError naming every size in which the drafter and the target differ."""
     ident = target.identity()
@@ -422,6 +429,10 @@ def check_compatible(config: DraftHeadConfig, target) -> None:
         problems.append(f"vocab_size: drafter has {config.vocab_size}, target has {target.vocab_size}")
     if config.hidden_size != target.hidden_size and not any("hidden" in p for p in problems):
         problems.append(f"hidden_size: drafter has {config.hidden_size}, target has {target.hidden_size}")
+    made_for = config.target.get("tokenizer")
+    now = tokenizer_digest(getattr(target, "tokenizer", None)) if made_for is not None and not problems else None
+    if now is not None and now != made_for:
+        problems.append("tokenizer: the drafter was built for another vocabulary (token ids name other strings)")
     bad_taps = [t for t in config.target_layer_ids if not 0 <= t < target.num_layers]
     if bad_taps:
         problems.append(f"target_layer_ids {bad_taps} do not exist in a {target.num_layers}-layer target")

@@ -13,13 +13,14 @@ after them; ``commit`` keeps one root-to-node path of those nodes and drops the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jetflow.decoding.prompt import stop_token_ids
-from jetflow.errors import InvalidRequestError
+from jetflow.errors import InvalidRequestError, ModelResolutionError
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.few_row_linear import use_few_row_linear
 from jetflow.models.gqa_attention import use_packed_gqa
@@ -107,11 +108,27 @@ class TargetModel:
 
         hf_logging.disable_progress_bar()
         resolved = spec if isinstance(spec, ResolvedModel) else resolve_model(spec)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved.path, dtype=dtype, attn_implementation=attn_implementation
-        ).to(device)
-        target = cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        except (OSError, ValueError, TypeError) as e:  # no tokenizer files, an unknown tokenizer class
+            raise ModelResolutionError(f"{resolved.name}: no usable tokenizer in {resolved.path} "
+                                       f"({type(e).__name__}: {_first_line(e)})") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved.path, dtype=dtype, attn_implementation=attn_implementation
+            ).to(device)
+        except Exception as e:  # not a causal LM, weights missing or cut short (safetensors, shape, ... errors)
+            weights = sorted(p.name for p in Path(resolved.path).glob("*.safetensors"))
+            hint = "" if weights or resolved.source != "hub" else \
+                " (the hub repository has no *.safetensors weights, the only format JetFlow downloads)"
+            raise ModelResolutionError(f"{resolved.name}: transformers could not load a causal language model "
+                                       f"from {resolved.path}{hint} ({type(e).__name__}: {_first_line(e)})") from None
+        try:
+            target = cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
+        except AttributeError as e:  # e.g. BERT's causal-LM head: no decoder layers to tap, no KV cache of ours
+            raise ModelResolutionError(f"{resolved.name}: {model.config.model_type} models are not supported; JetFlow "
+                                       f"needs a decoder-only model with decoder layers (Llama, Qwen, Mistral, ...) "
+                                       f"({_first_line(e)})") from None
         target.weights = weights_fingerprint(resolved.path)
         return target
 
@@ -464,3 +481,8 @@ class TargetModel:
         """Commit ``token`` and return the target's greedy next token (the first maximum, as
         ``decoding.sampling.next_token``)."""
         return int(self.extend([token]).logits[-1].argmax())
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
