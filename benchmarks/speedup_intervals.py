@@ -49,8 +49,8 @@ def main() -> int:
             name = run["method"] + ("" if run["budget"] is None else f"@{run['budget']}")
             result.setdefault(str(out), {}).setdefault(run["dataset"], {})[name] = {
                 "speedup": speedup, "ci95": ci, "against": ref["method"]}
-            print(f"{out.name:28s} {run['dataset']:10s} {name:20s} {speedup:.3f}x  "
-                  f"95% {ci[0]:.2f}-{ci[1]:.2f}x  (against {ref['method']})")
+            interval = "no interval (one prompt)" if ci is None else f"95% {ci[0]:.2f}-{ci[1]:.2f}x"
+            print(f"{out.name:28s} {run['dataset']:10s} {name:20s} {speedup:.3f}x  {interval}  (against {ref['method']})")
     if args.json:
         write_json_atomic(args.json, result)
     return 0

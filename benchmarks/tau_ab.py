@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +26,22 @@ RUN_CLI = "import sys; from jetflow.cli import main; sys.exit(main(sys.argv[1:])
 
 def bench(tree: Path, args: list[str], out: Path, commit: str) -> None:
     """One side's run, from the tree's root (so its own `jetflow` package is the one imported); kept
-    when OUT/<side> already holds this commit's finished run."""
-    marker = out / "COMMIT"
-    if marker.is_file() and marker.read_text().strip() == commit and (out / "summary.json").is_file():
-        print(f"{out}: kept (a finished run of {commit[:12]})", file=sys.stderr)
+    when OUT/<side> already holds a finished run of this commit with these bench options. Otherwise
+    its stored runs go first: the bench would reuse them (their keys name settings, not code), and
+    the A/B would compare a side with itself. Uncommitted code is never kept (it may have changed)."""
+    marker, made = out / "COMMIT", json.dumps({"commit": commit, "bench": args})
+    kept = marker.is_file() and marker.read_text().strip() == made and (out / "summary.json").is_file()
+    if kept and not commit.endswith("+uncommitted"):
+        print(f"{out}: kept (a finished run of {commit[:12]} with the same options)", file=sys.stderr)
         return
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    marker.unlink(missing_ok=True)
     # Exit status 1: some output differed from the reference (llama.cpp's near-ties, which the bench
     # reports); the taus still compare. Anything else is a failure.
     done = subprocess.run([sys.executable, "-c", RUN_CLI, "bench", *args, "--out", str(out), "--overwrite"], cwd=tree)
     if done.returncode not in (0, 1) or not (out / "summary.json").is_file():
         raise SystemExit(f"jetflow bench failed in {tree} (exit status {done.returncode})")
-    marker.write_text(commit + "\n")
+    marker.write_text(made + "\n")
 
 
 def runs(out: Path) -> dict[str, dict]:

@@ -73,7 +73,7 @@ def test_refine_modes_reach_the_refine_and_lookup_methods(tiny_dir, refine):
     for name in ("jetflow-refine", "jetflow-lookup"):
         runner.check(METHODS[name])
         assert runner.run(METHODS[name], prompt, budget=8, max_new_tokens=20).token_ids == ar.token_ids, name
-    for drafter in (runner._refined.drafter, runner._mixed["causal"].drafter.primary):
+    for drafter in (runner._refined.drafter, runner._mixed["causal", 8].drafter.primary):
         assert (drafter.refine_tree, drafter.refine) == ((True, 1) if refine == "tree" else (False, 2))
 
 
@@ -436,3 +436,49 @@ def test_greedy_outputs_that_change_between_repeats_are_reported(capsys):
     assert "repeats_differ" not in summarize([record], None, False)  # sampling: repeats differ by design
     assert report_mismatches([{"method": "jetflow", "dataset": "gsm8k", "budget": 4, "summary": summary}], True) == 1
     assert "NON-DETERMINISM: jetflow on gsm8k" in capsys.readouterr().err
+
+
+def test_what_changes_speed_is_in_a_runs_key_and_budgets_keep_their_own_lookup_counts(tiny_dir, heads, monkeypatch):
+    """A run stored at other threads, dtype, device or backend is not taken for this one; every
+    method is named in the reports' order; each budget of jetflow-lookup keeps its own lookup counts
+    (budgets timed side by side would otherwise price each other's chains)."""
+    from jetflow.eval.bench import runtime_settings
+    from jetflow.eval.harness import BenchSettings
+    from jetflow.eval.report import ORDER
+
+    assert set(METHODS) <= set(ORDER)
+    target = TargetModel.load(str(tiny_dir))
+    runtime = runtime_settings(target)
+    assert runtime == {"backend": "torch", "device": "cpu", "dtype": "float32", "threads": torch.get_num_threads(),
+                       "flash_attn": False}
+    keys = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        settings = BenchSettings(target="tiny", drafters={}, extra={"runtime": runtime_settings(target)})
+        keys.append(settings.run_key(METHODS["ar"], "gsm8k", None, ["a"]))
+    assert keys[0] != keys[1]
+    runner = MethodRunner(target, {"causal": load_drafter(heads["causal"], target=target)}, width=3)
+    prompt = [{"role": "user", "content": "hello there"}]
+    for budget in (4, 8):
+        runner.run(METHODS["jetflow-lookup"], prompt, budget=budget, max_new_tokens=8)
+    assert runner._mixed["causal", 4].drafter.calibration is not runner._mixed["causal", 8].drafter.calibration
+
+
+def test_auto_is_warmed_apart_from_the_fixed_budgets(tiny_dir, heads, tmp_path, monkeypatch):
+    """`auto` makes its cost curve and budget state on its first request: its warm-up call must come
+    before its timed prompts, even when a fixed budget of the same method was warmed already."""
+    from jetflow.eval import methods
+
+    calls = []
+    real = methods.MethodRunner.run
+    monkeypatch.setattr(methods.MethodRunner, "run",
+                        lambda self, spec, prompt, budget=None, max_new_tokens=0, **k:
+                        calls.append((spec.name, budget, max_new_tokens)) or real(self, spec, prompt, budget=budget,
+                                                                                  max_new_tokens=max_new_tokens, **k))
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+    assert main(["bench", "--target", str(tiny_dir), "--drafter", str(heads["causal"]), "--datasets", "gsm8k",
+                 "--limit", "1", "--methods", "jetflow", "--budgets", "4,auto", "--max-new-tokens", "6",
+                 "--no-cost-model", "--out", str(tmp_path / "b")]) == 0
+    auto = [c for c in calls if c[:2] == ("jetflow", "auto")]
+    assert auto[0][2] == 8 and any(c[2] == 6 for c in auto)  # warmed (8 tokens), then timed
+

@@ -22,6 +22,17 @@ from jetflow.utils.fs import write_json_atomic, write_text_atomic
 CURVE_SIZES = {1, 2, 3, 4, 8, 16, 32, 64}  # draft-node counts whose verify cost every report shows
 
 
+def runtime_settings(target) -> dict:
+    """What the target's runtime runs with that changes every method's speed: a stored run is
+    reused only under the same (its key holds them)."""
+    import torch
+
+    ident = target.identity()
+    return {"backend": ident["backend"], "device": str(target.device), "dtype": ident["dtype"],
+            "threads": getattr(target, "n_threads", None) or torch.get_num_threads(),
+            "flash_attn": bool(getattr(target, "flash_attn", False))}
+
+
 def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[str, list[EvalPrompt]],
               budgets: list[int | str], drafters: dict[str, str | None], out: str | Path, *, width: int = 7,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, limit: int | None = None,
@@ -55,7 +66,8 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     settings = BenchSettings(target=target.name, drafters=used, digests={k: head_fingerprint(p) for k, p in used.items()},
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit,
                              width=width, repeats=repeats,
-                             extra=({"refine": refine} if refine != 1 else {})
+                             extra={"runtime": runtime_settings(target)}
+                             | ({"refine": refine} if refine != 1 else {})
                              | ({"draft_weights": runner.draft_weights()} if heads else {})
                              | ({"linear_form": target.linear_form}  # verifies timed with few-row products
                                 if getattr(target, "linear_form", "standard") != "standard" else {}))

@@ -58,8 +58,8 @@ class BenchSettings:
         else:  # a checkpoint changed in place (calibrated, retrained, a new shipped head) is another drafter
             key["drafter"] = self.drafters.get(kind)
             key["drafter_digest"] = self.digests.get(kind)
-        if spec.head is not None:
-            key["width"] = self.width if spec.tree else 1
+        if spec.head is not None:  # (torch-jetflow decodes trees of this width too)
+            key["width"] = self.width if spec.tree or spec.name == "torch-jetflow" else 1
         return key
 
 
@@ -88,7 +88,7 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
                     for _ in range(settings.repeats)]
         except InvalidRequestError as e:  # say which prompt: a file may hold thousands
             raise JetFlowError(f"{prompt.where}, turn {turn + 1}: {e}") from None
-        result = runs[0]
+        result = sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]  # the median repeat's own split
         stats = result.stats
         records.append({
             "id": prompt.id, "turn": turn, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
@@ -100,7 +100,7 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
             "finish_reason": result.finish_reason,
             "token_ids": result.token_ids, "category": prompt.category,
         })
-        if settings.temperature == 0 and any(r.token_ids != result.token_ids for r in runs[1:]):
+        if settings.temperature == 0 and any(r.token_ids != result.token_ids for r in runs):
             records[-1]["repeats_differ"] = True  # greedy decoding gave other outputs on a later call
         answers.append(result.text)
     return records
@@ -317,12 +317,15 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
                                + ". Use another --out, or --overwrite to replace them.")
     check_prompts_fit(runner.target, datasets)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
-    warmed: set[str] = set()
+    warmed: set = set()
 
     def warm(spec, budget, prompts):
-        if spec.name not in warmed:  # first call pays one-time costs (allocations, kernels)
+        # The first call pays one-time costs (allocations, kernels); `auto` also its cost curve and
+        # budget state, made on its first request, so it is warmed apart from the fixed budgets.
+        what = (spec.name, budget == "auto")
+        if what not in warmed:
             runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
-            warmed.add(spec.name)
+            warmed.add(what)
 
     runs = []
     for dataset, prompts in datasets.items():

@@ -116,7 +116,7 @@ class MethodRunner:
                                    f"is {have}")
             self.decoders[kind] = jetflow.JetFlow(target, head.to(device=target.device, dtype=target.dtype),
                                                   lookup=False, refine=False, int8_draft=int8_draft)
-        self._mixed = {}  # head kind -> its decoder with prompt lookup merged in (jetflow-lookup, eagle3-lookup)
+        self._mixed = {}  # (head kind, budget) -> its decoder with prompt lookup merged in (jetflow-lookup, eagle3-lookup)
         self._lookup = None
         self._refined = None  # the causal head with its path-conditioned pass (jetflow-refine)
         self._llama = None  # llama-cpp-python's Llama on the same GGUF (llama-ar)
@@ -166,11 +166,14 @@ class MethodRunner:
         if spec.name == "torch-jetflow":
             decoder = self._torch_twin()[1]
         elif spec.name in ("jetflow-lookup", "eagle3-lookup"):
-            if spec.head not in self._mixed:  # as the default decoder: with the head's second pass if it has one
+            # As the default decoder: with the head's second pass if it has one. One per budget: its
+            # lookup counts price its chains, and budgets timed side by side must not train each other's.
+            if (spec.head, budget) not in self._mixed:
                 head = self.decoders[spec.head].drafter.head
-                self._mixed[spec.head] = jetflow.JetFlow(self.target, head, lookup=True, int8_draft=self.int8_draft,
-                                                         refine=self.refine if head.config.path_refine else 0)
-            decoder = self._mixed[spec.head]
+                self._mixed[spec.head, budget] = jetflow.JetFlow(
+                    self.target, head, lookup=True, int8_draft=self.int8_draft,
+                    refine=self.refine if head.config.path_refine else 0)
+            decoder = self._mixed[spec.head, budget]
         elif spec.name == "jetflow-refine":
             if self._refined is None:
                 self._refined = jetflow.JetFlow(self.target, self.decoders["causal"].drafter.head, lookup=False,
@@ -195,6 +198,7 @@ class MethodRunner:
 
                 spec = self.target.name if is_known_model(self.target.name) else str(self.target.gguf)
                 twin = TargetModel.load(spec)
+                twin.prefix_cache = False  # as the target's own: every method prefills every prompt in full
                 head = self.heads.get("causal")
                 self._torch = (twin, jetflow.JetFlow(twin, copy.deepcopy(head).to(dtype=twin.dtype), lookup=False,
                                                      int8_draft=self.int8_draft) if head else None)

@@ -35,8 +35,9 @@ from tqdm import tqdm
 from jetflow.data.shards import Sequence
 from jetflow.decoding.block_drafter import BlockProposal, draft_logprobs
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, lookup_match
-from jetflow.decoding.mixed_drafter import (MATCH_ROW_STARTS, MAX_CHAIN, REQUEST_PRIOR, LookupCalibration, MixedProposal,
-                                             PendingChains, RequestCalibration, chain_followed, match_row)
+from jetflow.decoding.mixed_drafter import (LOOKUP_WINDOW, MATCH_ROW_STARTS, MAX_CHAIN, REQUEST_PRIOR,
+                                             LookupCalibration, MixedProposal, PendingChains, RequestCalibration,
+                                             chain_followed, match_row)
 from jetflow.decoding.refine import path_rows, repath, tree_passes, tree_refined_proposal
 from jetflow.errors import JetFlowError
 from jetflow.eval.replay_journal import ReplayJournal
@@ -302,7 +303,8 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     walk = anchors is None and anchors_per_seq == 0
     result = OfflineAcceptance(budgets, width, "decode" if walk else "uniform", lookup=lookup)
     g = torch.Generator().manual_seed(seed)
-    session = {arm: LookupCalibration() for arm in budgets} if lookup_session else None
+    # (remembering as many trials per cell as a decoder's pooled counts do: decoding/mixed_drafter.py)
+    session = {arm: LookupCalibration(window=LOOKUP_WINDOW) for arm in budgets} if lookup_session else None
     for index in tqdm(indices, desc=progress or "replay", unit="seq", disable=not progress, file=sys.stderr):
         seq = sequences[index]
         last = len(seq.token_ids) - 2  # the last anchor with a token after it

@@ -97,7 +97,7 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
 
 
 ORDER = ["llama-ar", "ar", "hf", "pld", "lookup", "torch-ar", "torch-jetflow", "llama-dflash", "dflash", "ddtree",
-         "eagle3", "jetflow-chain", "jetflow", "jetflow-lookup"]
+         "eagle3", "eagle3-lookup", "jetflow-chain", "jetflow", "jetflow-lookup", "jetflow-refine"]
 
 
 def _order(method: str) -> int:
