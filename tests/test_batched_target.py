@@ -510,3 +510,38 @@ def test_trees_are_cut_to_fit_one_llamacpp_decode():
     small = {i: chain(1) for i in range(3)}
     _fit_batch(small, 2)  # roots alone cannot be cut (the decode refuses them by name)
     assert [len(t) for t in small.values()] == [1, 1, 1]
+
+
+
+def test_batched_rounds_that_accept_whole_paths_stop_where_decoding_alone_does(target):
+    """Drafts the target agrees with (an oracle drafter), so rounds accept several tokens, and requests
+    that end inside an accepted path (at a stop string, EOS or the length limit) while their
+    batch-mates go on: each output and finish reason equals the request decoded alone."""
+    from tiny import OracleDrafter
+
+    prompts = [[10, 20, 30], [7, 8], [3, 4, 5, 6], [50, 60]]
+    eos = target.model.generation_config.eos_token_id
+    try:
+        free = {i: jetflow.generate(target, p, max_new_tokens=40) for i, p in enumerate(prompts)}
+        # EOS: a token the second answer emits mid-way; a stop string from inside the third answer
+        target.model.generation_config.eos_token_id = free[1].token_ids[9]
+        stop = free[2].text[12:15]
+        specs = [dict(max_new_tokens=23), dict(max_new_tokens=40), dict(max_new_tokens=40, stop=[stop]),
+                 dict(max_new_tokens=17)]
+        alone = [jetflow.generate(target, p, **kw) for p, kw in zip(prompts, specs)]
+        assert [a.finish_reason for a in alone] == ["length", "stop", "stop", "length"]
+        torch.manual_seed(0)
+        decoder = BatchDecoder(target, DraftHead(DraftHeadConfig.for_target(target, block_size=6)), lookup=False)
+        decoder._new_drafter = lambda view: OracleDrafter(view, block_size=6, sharpen=20.0)
+        finished = []
+        for p, kw in zip(prompts, specs):
+            finished.append(decoder.add(request(target, p, 5, **kw)))
+        while decoder.active:
+            decoder.step()
+        for r, want in zip(finished, alone):
+            assert r.result.token_ids == want.token_ids and r.result.text == want.text
+            assert r.result.finish_reason == want.finish_reason
+        accepted = [n for r in finished for n in r.result.stats["accept_lengths"]]
+        assert max(accepted) == 6 and sum(accepted) / len(accepted) > 3  # whole paths taken
+    finally:
+        target.model.generation_config.eos_token_id = eos

@@ -101,6 +101,11 @@ def test_cache_equals_online_teacher_and_resumes(target, tmp_path, monkeypatch):
         torch.testing.assert_close(t_c, t_o, atol=2e-2, rtol=1e-2)  # fp16 log-probs
         with pytest.raises(IndexError):
             cached.fetch(i, s, torch.tensor([s.prompt_len - 1]))
+        # inside the trainer's mixed precision (--amp bfloat16) the online teacher still runs the
+        # target in its own precision, as decoding and a teacher cache do
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            f_a, t_a = online.fetch(i, s, positions)
+        assert torch.equal(f_a, f_o) and torch.equal(t_a, t_o)
 
 
 def test_cache_refuses_other_data_and_other_layers(target, tmp_path):

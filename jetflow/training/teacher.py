@@ -28,8 +28,11 @@ class OnlineTeacher:
     def fetch_many(self, requests: list[tuple[int, Sequence, torch.Tensor]]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Features of each requested sequence and the teacher at its positions, all rows
         concatenated in request order, from one target forward over all of them."""
-        features, logits = self.target.features_and_logits_many([s.token_ids for _, s, _ in requests],
-                                                                 [p for _, _, p in requests])
+        # The target in its own precision even inside the trainer's autocast (--amp): decoding reads
+        # its features, and a teacher cache holds its distributions, in that precision.
+        with torch.autocast(self.target.device.type, enabled=False):
+            features, logits = self.target.features_and_logits_many([s.token_ids for _, s, _ in requests],
+                                                                     [p for _, _, p in requests])
         if self.draft_ids is not None:
             logits = logits[:, self.draft_ids.to(logits.device)]
         # clone: inference tensors cannot enter autograd
