@@ -211,7 +211,7 @@ def _comparison(spec, ar, drafter) -> str:
             ("new tokens", str(ar.new_tokens), str(spec.new_tokens)),
             ("seconds", f"{ar.seconds:.2f}", f"{spec.seconds:.2f}"),
             ("tokens/s", f"{ar.tokens_per_s:.1f}", f"{spec.tokens_per_s:.1f}"),
-            ("tau (tokens/round)", "1.00", f"{spec.stats['tau']:.2f}" if "tau" in spec.stats else "-"),
+            ("tau (tokens/round)", "1.00", f"{spec.stats['tau']:.2f}" if spec.stats.get("tau") is not None else "-"),
             ("speed-up", "1.00x", f"{spec.tokens_per_s / ar.tokens_per_s:.2f}x" if ar.tokens_per_s else "-")]
     lines = [f"{a:<20}{b:>16}{c:>16}" for a, b, c in rows]
     same = "identical" if spec.token_ids == ar.token_ids else "DIFFERENT"
@@ -333,7 +333,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        extra = f", tau {result.stats['tau']:.2f} over {result.stats['rounds']} rounds" if "tau" in result.stats else ""
+        extra = (f", tau {result.stats['tau']:.2f} over {result.stats['rounds']} rounds"
+                 if result.stats.get("tau") is not None else "")
         cached = f", {result.cached_prompt_tokens} cached" if result.cached_prompt_tokens else ""
         print(f"[{result.new_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s; prefill "
               f"{result.prefill_seconds:.2f} s ({result.prompt_tokens} prompt tokens{cached}), then "

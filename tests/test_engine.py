@@ -243,3 +243,28 @@ def test_a_failed_batch_step_is_a_server_error_and_a_dead_worker_fails_every_job
 
     with pytest.raises(EngineStopped, match="worker stopped"):
         asyncio.run(third())
+
+
+def test_queued_jobs_whose_clients_left_give_up_their_places(jf):
+    """A full queue whose jobs' clients have gone (timed out, retried) does not turn live clients
+    away with 429: the abandoned jobs are answered and dropped, and the depth counts live ones."""
+    import asyncio
+
+    from jetflow.serve.engine import Engine, EngineStopped, QueueFull
+
+    engine = Engine(jf, max_queue=2, start=False)  # no worker: the queue only fills
+
+    async def main():
+        first, second = engine.submit([1, 2], {}), engine.submit([3, 4], {})
+        with pytest.raises(QueueFull):
+            engine.submit([5, 6], {})
+        first.cancel("client gone")
+        assert engine.queue_depth == 1
+        third = engine.submit([5, 6], {})  # takes the abandoned job's place
+        kind, error = await asyncio.wait_for(first.events.get(), 5)
+        assert kind == "error" and isinstance(error, EngineStopped)
+        assert engine.queue_depth == 2 and list(engine._queue.queue) == [second, third]
+        with pytest.raises(QueueFull):
+            engine.submit([7, 8], {})
+
+    asyncio.run(main())

@@ -361,6 +361,28 @@ def test_a_chain_taken_up_to_its_cut_is_followed_past_it():
     assert np.array_equal(drafter.calibration.trials, reference.trials)
 
 
+def test_a_chain_its_verified_tree_left_out_is_counted_against_what_the_target_produced():
+    """A tree cut before its first chain node (the head's nodes priced higher, a small budget):
+    the chain is decided later by the target's own tokens, as for a round that verified no tree,
+    not dropped uncounted (chains priced too low would then never be tried again)."""
+    history = _History()
+    drafter = MixedDrafter(_Primary(), history, request_prior=None)
+    drafter.calibration.window = None
+    drafter.calibration.log_rates = lambda row, depth: [math.log(0.01)] * depth  # below the head's 1/20
+    proposal = drafter.propose(3, 7, 100, 1, max_nodes=1)
+    assert proposal.chain == [4, 5, 1, 2, 3]
+    tree = proposal.tree(1)
+    assert 4 not in tree.children[0]  # the head's node only
+    drafter.observe(tree, [0])
+    history.token_ids = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 9]  # the target went on with 4 5 1, then 9
+    drafter.propose_lookup(7, 100)
+    drafter.reset()
+    reference = LookupCalibration(MATCH_ROWS, drafter.max_draft)
+    reference.observe(3, 5, 3)  # five chain tokens, three followed
+    assert np.array_equal(drafter.calibration.trials, reference.trials)
+    assert np.array_equal(drafter.calibration.hits, reference.hits)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_chains_no_verify_held_are_scored_against_what_the_target_produced(seed):
     """Plain rounds verify no chain. Each chain they were offered is counted (in batches, the last

@@ -264,3 +264,11 @@ def test_drafters_that_read_no_features_are_given_none(target, monkeypatch):
     plain = random_jetflow(target).generate(prompt, max_new_tokens=20, budget=0)
     assert plain.token_ids == ar.token_ids and not any(asked) and len(steps) == len(ar.token_ids) - 1
     assert not lookup.stats["features"] and not plain.stats["features"]
+
+
+def test_a_request_that_ends_at_its_first_token_has_no_tau(target):
+    """No round ran: tau is None, not 0.0 (a server's tau metric would average it in as a round that
+    accepted nothing, below the bonus token every round has)."""
+    result = random_jetflow(target).generate(PROMPT, max_new_tokens=1, budget=8)
+    assert len(result.token_ids) == 1 and result.stats["rounds"] == 0 and result.stats["tau"] is None
+    assert random_jetflow(target).generate(PROMPT, max_new_tokens=3, budget=8).stats["tau"] >= 1

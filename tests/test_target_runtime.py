@@ -145,3 +145,25 @@ def test_default_tapped_layers():
     assert default_tapped_layers(30) == [1, 8, 14, 20, 27]
     assert default_tapped_layers(36) == [1, 9, 17, 25, 33]  # DFlash's choice for Qwen3-8B
     assert default_tapped_layers(4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("model_type, scaling", [("granite", {"logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.25}),
+                                                 ("gemma2", {"final_logit_softcapping": 3.0, "head_dim": 16})])
+def test_teacher_logits_are_the_models_own(tokenizer, model_type, scaling):
+    """What a teacher reads (features and logits from one forward) equals the model's own logits,
+    with its output scaling: Granite divides them by logits_scaling, Cohere multiplies them by
+    logit_scale, Gemma 2 soft-caps them; without it a Granite teacher's distribution would be
+    that of logits 8x too large."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                               tie_word_embeddings=True, **scaling)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    target = TargetModel(model, tokenizer, name="tiny", tapped_layers=[0])
+    ids = torch.tensor([5, 17, 99, 3, 42, 7])
+    _, logits = target.features_and_logits(ids, torch.arange(6))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)

@@ -38,7 +38,9 @@ class LoadBudget:
         self.costs, self.max_budget = costs, max_budget
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         # A lone request's policy; its per-(depth, q) acceptance counts serve every batch size.
-        self.single = self.acceptance = AdaptiveBudget(costs)
+        # (no bigger trees than the curve measured, as JetFlow.adaptive_budget caps them: a target with a
+        # small context or batch measures only the trees it can verify)
+        self.single = self.acceptance = AdaptiveBudget(costs, max_budget=max(int(n) for n in costs.costs["verify_ms"]))
         self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
         self.ways: dict[int, Explorer] = {}  # bucket -> measured drafted / plain steps (drafted: True)
         self.recent_cap = max_budget

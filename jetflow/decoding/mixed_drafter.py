@@ -246,7 +246,9 @@ class PendingChains:
 
     def observe_verified(self, row: int, chain: list[int], start: int, verified: int, followed: int) -> None:
         """A verify held the chain's first ``verified`` tokens and the target took ``followed``."""
-        if 0 < followed == verified < len(chain):
+        if verified == 0:  # a tree cut before its first chain node (a small `auto` budget): decided later
+            self.add(row, chain, start)
+        elif followed == verified < len(chain):
             # All of the verified part was taken and the chain went on past the cut: follow the rest
             # later. Counted only up to the cut, the depths below it would stay untried, priced by the
             # prior alone, and so never verified (seen: code edits whose 10-token chains the target

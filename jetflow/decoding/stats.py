@@ -44,7 +44,7 @@ class SpeculativeStats:
     def to_dict(self) -> dict:
         return {
             "rounds": self.rounds,
-            "tau": self.tau,
+            "tau": self.tau if self.rounds else None,  # (a request that ended at its first token had no round)
             "accept_lengths": list(self.accept_lengths),
             "accept_histogram": dict(sorted(Counter(self.accept_lengths).items())),
             "per_depth_acceptance": self.per_depth_acceptance(),

@@ -79,7 +79,8 @@ class LlamaCppDFlashDraft(OwnsLlamaContext):
                 lib.llama_batch_free(batch)
 
     def block_logits(self, anchor: int, position: int, mask_token_id: int, n: int | None = None) -> torch.Tensor:
-        """Logits [n, vocab] of depths 1..n for the block [anchor, MASK x (n-1)] at ``position``.
+        """Logits [n, vocab] of the block [anchor, MASK x (n-1)] at ``position``, slot by slot: row 0
+        is the anchor's own (unused), row k depth k.
         The block's own cache entries are dropped again, so the next call starts from the context."""
         lib, n = self._lib, n or self.block_size
         batch = lib.llama_batch_init(n, 0, 1)

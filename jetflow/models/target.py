@@ -320,9 +320,16 @@ class TargetModel:
         return taps, out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head (with any final logit soft-capping of the model) as float32."""
+        """The target's LM head as float32, with what the model's own forward applies after it: a
+        division by ``logits_scaling`` (Granite), a factor ``logit_scale`` (Cohere), soft-capping
+        (Gemma 2). Teachers read their distributions here: without it a Granite teacher's would be
+        those of logits 8x too large."""
         head = self.model.get_output_embeddings()
         logits = head(hidden.to(head.weight.dtype)).float()
+        if divide := getattr(self.config, "logits_scaling", None):
+            logits = logits / divide
+        if factor := getattr(self.config, "logit_scale", None):
+            logits = logits * factor
         cap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 

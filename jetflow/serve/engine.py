@@ -75,6 +75,10 @@ class Engine:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._accepting = True
+        self._cancelling = False  # shutdown(cancel_running=True): jobs the worker takes now are cancelled too
+        # submit's check-and-put and shutdown's close-and-drain, one at a time: a job put after the
+        # worker's stop sentinel would never be answered
+        self._admission = threading.Lock()
         self._running: set[Job] = set()  # jobs taken from the queue and not yet answered
         self.failure: str | None = None  # why the worker stopped, if it died (the server then answers 503)
         self.job_seconds = 1.0  # running mean of a job's duration (for Retry-After)
@@ -122,17 +126,41 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Queued jobs whose clients still wait."""
+        with self._queue.mutex:
+            return sum(1 for job in self._queue.queue if job is not None and not job.cancelled.is_set())
+
+    def _drop_cancelled(self) -> int:
+        """Take queued jobs whose clients left out of the queue (answered as cancelled): else they
+        hold its places until the worker reaches them, and live clients get 429 meanwhile."""
+        with self._queue.mutex:
+            gone = [job for job in self._queue.queue if job is not None and job.cancelled.is_set()]
+            for job in gone:
+                self._queue.queue.remove(job)
+            if gone:
+                self._queue.not_full.notify(len(gone))
+        for job in gone:
+            job._emit("error", EngineStopped("cancelled before it started"))
+        return len(gone)
 
     def submit(self, prompt_ids: list[int], request: dict) -> Job:
-        if not self._accepting:
-            raise EngineStopped(self.failure or "the server is shutting down")
         job = Job(prompt_ids, request, asyncio.get_running_loop(), id=next(self._ids))
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        with self._admission:
+            if not self._accepting:
+                raise EngineStopped(self.failure or "the server is shutting down")
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                if not self._drop_cancelled():
+                    raise QueueFull from None
+                self._queue.put_nowait(job)  # (nobody else puts while the lock is held)
         return job
+
+    def _take(self, job: Job) -> None:
+        """The worker holds ``job`` now (answered by it from here on)."""
+        self._running.add(job)
+        if self._cancelling:  # taken while shutdown cancelled the running ones
+            job.cancel("the server is shutting down")
 
     @property
     def running(self) -> int:
@@ -150,7 +178,7 @@ class Engine:
             if job.cancelled.is_set():
                 job._emit("error", EngineStopped("cancelled before it started"))
                 continue
-            self._running.add(job)
+            self._take(job)
             t0 = time.perf_counter()
             try:
                 events = self.jetflow.stream(job.prompt_ids, **job.request)
@@ -241,7 +269,7 @@ class Engine:
                 except Exception as e:  # a bad request fails alone
                     job._emit("error", e)
                     continue
-                self._running.add(job)
+                self._take(job)
                 waiting.append((req, job))
             joining, tokens = [], 0  # this step's prefills: up to max_prefill_tokens, at least one job
             while waiting and (not joining or tokens + len(waiting[0][0].prompt_ids) <= self.max_prefill_tokens):
@@ -284,10 +312,12 @@ class Engine:
 
     def shutdown(self, cancel_running: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; cancel queued jobs; finish (or cancel) the running one; stop the thread."""
-        self._accepting = False
-        self._answer_queued(EngineStopped("the server is shutting down"))
-        if cancel_running:
-            for job in list(self._running):
-                job.cancel("the server is shutting down")
-        self._queue.put(None)
+        with self._admission:
+            self._accepting = False
+            self._answer_queued(EngineStopped("the server is shutting down"))
+            if cancel_running:
+                self._cancelling = True
+                for job in list(self._running):
+                    job.cancel("the server is shutting down")
+            self._queue.put(None)  # (the queue was just drained, and nothing is put while the lock is held)
         self._stopped.wait(timeout)
