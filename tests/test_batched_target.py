@@ -215,9 +215,9 @@ def test_a_lone_request_times_only_drafts_that_follow_a_drafted_round(target, mo
     monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
     seen, real = [], AdaptiveBudget.observe
 
-    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None):
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True):
         seen.append((draft_ms, drafted_nodes, other_ms))
-        return real(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
+        return real(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)
 
     # A tree build of at least 20 ms: priced with the draft, not again in the round's other time.
     import time
@@ -237,7 +237,8 @@ def test_a_lone_request_times_only_drafts_that_follow_a_drafted_round(target, mo
         decoder.step()
         drafted.append(r.stats.round_kinds["drafted"] > before)
     assert r.result.token_ids == jetflow.generate(target, prompt, max_new_tokens=40).token_ids
-    assert len(seen) == len(drafted)
+    assert len(seen) == len(drafted) and not drafted[0]  # the first round re-times a plain step, as a lone stream's
+    assert load.single._since_plain is not None
     for i, (draft_ms, nodes, other_ms) in enumerate(seen):
         if drafted[i]:
             assert other_ms < 20.0  # the build is not in it

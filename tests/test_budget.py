@@ -77,21 +77,47 @@ def test_expected_tokens_brute_force_and_observe():
     assert d2_bin5 == pytest.approx((4 * 0.55, 5)) and ab.overhead_ms == pytest.approx(3.0)
 
 
-def test_a_tree_rounds_overhead_is_not_diluted_by_plain_steps():
-    """Plain steps have almost no time outside their verify; a tree round's acceptance and commit
-    are priced from tree rounds alone, so where most rounds are plain a chain whose gain is less
-    than its own overhead is not taken."""
+def test_a_tree_rounds_overhead_is_not_diluted_by_plain_steps_nor_drafted_rounds():
+    """Plain steps have almost no time outside their verify, drafted rounds much more than a lookup
+    chain verified alone: a chain round's acceptance and commit are priced from chain rounds alone,
+    so where most rounds are plain a chain whose gain is less than its own overhead is not taken,
+    and one whose gain is more is not refused for a drafted round's overhead."""
     ab = AdaptiveBudget(curve(per_node_ms=0.0, base_ms=10.0, draft_ms=5.0))
     t = hand_tree()
     for _ in range(9):
         ab.observe_plain(10.0)
-    ab.observe(t.prefix(2), [0], other_ms=2.0)
-    assert ab.overhead_ms == pytest.approx(2.0) and ab.plain_overhead_ms == pytest.approx(0.0)
+    ab.observe(t.prefix(2), [0], other_ms=2.0, drafted=False)
+    ab.observe(t.prefix(3), [0], other_ms=6.0)  # a drafted round: its choice, prefix and the head's bookkeeping
+    assert ab.chain_overhead_ms == pytest.approx(2.0) and ab.plain_overhead_ms == pytest.approx(0.0)
+    assert ab.overhead_ms == pytest.approx(6.0)
     assert ab.plain_rate() == pytest.approx(1 / 10.0)
     # a one-node chain accepted 15% of the time: 1.15 tokens for 10 + 2 ms loses to 1 token in 10 ms
-    # (with one mean over all ten rounds, 0.2 ms, it would have looked like a 13% gain)
+    # (with one mean over all eleven rounds, 0.7 ms, it would have looked like a 7% gain)
     assert ab.chain_offer(chain_tree([0.15])) is None
-    assert ab.chain_offer(chain_tree([0.25])) is not None  # 1.25 / 12 > 1 / 10
+    # 1.25 / 12 > 1 / 10 (priced with the drafted round's 6 ms, 1.25 / 16, it would have been refused)
+    assert ab.chain_offer(chain_tree([0.25])) is not None
+
+
+def test_a_round_is_charged_the_draft_it_ran_and_the_first_choice_sets_the_drafted_size():
+    """choose() prices every size with the draft of the nodes actually drafted (a small tree's
+    round is not cheaper for it: on llama.cpp a one-node draft is half the price of the eight the
+    round ran); the first choice sets the size later rounds draft, plain steps before it or not;
+    and drafts are priced at the machine's measured speed, as verifies are."""
+    costs = CostCurve({"c1_ms": 10.0, "verify_ms": {1: 14.0, 8: 40.0, 256: 1000.0},
+                       "draft_ms": {1: 5.0, 8: 10.0, 256: 10.0}})
+    ab = AdaptiveBudget(costs)
+    ab.observe_plain(10.0)  # the forced first plain step of every process
+    assert ab.draft_nodes() == 256  # nothing chosen yet: the first draft may be as big as any
+    t = hand_tree()
+    best = ab.choose(t)
+    expected = ab.expected_tokens(t)
+    rates = [expected[n] / (10.0 + ab.verify_cost(n)) for n in range(1, 4)]  # the draft of 256 nodes: 10 ms
+    assert best == 1 + rates.index(max(rates)) and ab.draft_rate == pytest.approx(max(rates))
+    assert best == 3 and expected[1] / (5.0 + 14.0) > max(rates)  # (priced at a one-node draft, 1 would win)
+    assert ab._recent_choice == 3 and ab.draft_nodes() == 8  # not 0.8 * 256
+    for _ in range(30):  # the machine got twice as fast: plain steps say so, drafts follow
+        ab.observe_plain(5.0)
+    assert ab.draft_cost(8) == pytest.approx(5.0, rel=0.05)
 
 
 def test_a_learned_state_round_trips_through_json_and_bad_ones_are_refused():
@@ -172,8 +198,8 @@ def test_auto_on_a_small_context_or_batch_prices_the_trees_it_can_verify(tiny_di
 
     fit = costs_mod.fitting_costs
     assert fit(SimpleNamespace(max_context=4096), 256, 5, costs_mod.COST_BUDGETS) == (256, costs_mod.COST_BUDGETS)
-    assert fit(SimpleNamespace(max_context=4096, n_batch=16), 256, 5, costs_mod.COST_BUDGETS) == (256, [1, 2, 4, 8])
-    assert fit(SimpleNamespace(max_context=128), 256, 5, costs_mod.COST_BUDGETS) == (32, [1, 2, 4, 8, 16, 24, 32, 48, 64])
+    assert fit(SimpleNamespace(max_context=4096, n_batch=16), 256, 5, costs_mod.COST_BUDGETS) == (256, [1, 2, 3, 4, 5, 6, 7, 8, 12, 15])
+    assert fit(SimpleNamespace(max_context=128), 256, 5, costs_mod.COST_BUDGETS) == (32, [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 24, 32, 48, 64])
     with pytest.raises(ValueError, match="context is 16 tokens"):
         fit(SimpleNamespace(max_context=16), 256, 5, costs_mod.COST_BUDGETS)
     target = TargetModel.load(str(tiny_dir))
@@ -482,7 +508,8 @@ def chain_tree(rates):
 @pytest.mark.parametrize("per_node_ms", [0.0, 0.5, 3.0, 20.0])
 def test_chain_offer_is_the_brute_force_argmax_of_tokens_per_ms(per_node_ms):
     ab = AdaptiveBudget(curve(per_node_ms=per_node_ms, base_ms=10.0, draft_ms=8.0))
-    ab.overhead_ms = ab.plain_overhead_ms = 1.5
+    ab.chain_overhead_ms = ab.plain_overhead_ms = 1.5
+    ab.overhead_ms = 4.0  # a drafted round's: not a chain's
     rates = [0.9, 0.8, 0.95, 0.3, 0.9, 0.9]
     chain = chain_tree(rates)
     offer = ab.chain_offer(chain)
@@ -725,9 +752,9 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
 
     real_observe = AdaptiveBudget.observe
 
-    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None):
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True):
         events.append(("round", draft_ms, drafted_nodes, other_ms))
-        return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
+        return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)
 
     monkeypatch.setattr(type(jf.drafter), "propose", propose)
     monkeypatch.setattr(AdaptiveBudget, "observe", observe)

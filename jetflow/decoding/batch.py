@@ -161,11 +161,14 @@ class BatchDecoder:
         auto = [r for r in self.active if r.budget is None and r._drafter is not None]
         all_auto, t_draft = len(auto) == len(self.active), time.perf_counter()
         chain = None  # a lone request's paying lookup chain: a round without a head forward
+        plain_due = False  # a lone request's plain step that re-times the step every price is scaled by
         if all_auto and len(auto) == 1:
             r = auto[0]
             chain = self.load_budget.single.lookup_chain(r._drafter, r.root,
                                                          self.batch.max_context - self.batch.length(r.id) - 1)
-        drafting = bool(auto) and self.load_budget.should_draft(len(self.active), chain)
+            if self.load_budget.single.plain_step_due():
+                chain, plain_due = None, True
+        drafting = bool(auto) and not plain_due and self.load_budget.should_draft(len(self.active), chain)
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:
@@ -221,7 +224,8 @@ class BatchDecoder:
                 timed = r in drafts and r._drafted_last  # as the single-stream loop times drafts
                 self.load_budget.observe(tree, paths[r.id], other_ms, verify_s * 1e3,
                                          draft_ms=(t_drafted - t_propose) * 1e3 + r._build_ms if timed else None,
-                                         drafted_nodes=nodes[drafts.index(r)] if timed else None)
+                                         drafted_nodes=nodes[drafts.index(r)] if timed else None,
+                                         drafted=r in drafts)
             elif r.id in shared_ids:
                 self.load_budget.observe(tree, paths[r.id])
         self.batch.commit(paths)

@@ -91,8 +91,11 @@ class AdaptiveBudget:
         # commit), kept apart for rounds that verify nodes and plain ones: where most rounds are
         # plain steps, which have almost none of it, one mean over all would price a tree's at a
         # fraction of what it costs (on llama.cpp about 0.2 ms a lookup chain, 2% of a step).
-        self.overhead_ms, self.plain_overhead_ms = 0.0, 0.0
-        self._rounds, self._tree_rounds = 0, 0
+        # Rounds that verify a lookup chain alone have none of a drafted round's choice, tree prefix
+        # and head bookkeeping (about 0.2 ms against 1.3 on llama.cpp, 8% of a step): their own mean,
+        # or every chain offer would be priced as a drafted round's.
+        self.overhead_ms, self.plain_overhead_ms, self.chain_overhead_ms = 0.0, 0.0, 0.0
+        self._rounds, self._tree_rounds, self._chain_rounds = 0, 0, 0
         # The cost curve is measured once per machine and cached, but a machine's speed, and the
         # ratio of a tree verify to a plain step with it, drift with its load (seen: 1.62 when
         # cached, 1.35 later the same day). So verify times are measured as rounds run, and the
@@ -106,8 +109,8 @@ class AdaptiveBudget:
         self._curve = [costs.c1_ms] + [costs.verify_ms(n) for n in range(1, max_budget + 1)]
         self._draft = [costs.draft_ms(n) for n in range(max_budget + 1)]
         self._plain_scale, self._tree_rel, self._scale_count = 1.0, 1.0, [0, 0]  # counts: [plain, trees]
-        # Drafts are timed as rounds run too, and the draft curve scaled by the running ratio of
-        # measured to cached time: a draft's cost moves with the load as a verify's does.
+        # Drafts are timed as rounds run too, and the draft curve scaled by the machine's speed times
+        # the running ratio of their measured to cached time to it (see draft_cost).
         self._draft_scale, self._draft_count = 1.0, 0
         self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
@@ -137,7 +140,8 @@ class AdaptiveBudget:
     # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
     # acceptance counts, cost scales, the rest of a round, and where exploring and re-probing stand.
     # Not kept: the plain-step timing (a new process times a plain step first) and in-round counters.
-    _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "_rounds", "_tree_rounds", "_plain_scale",
+    _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "chain_overhead_ms", "_rounds", "_tree_rounds",
+              "_chain_rounds", "_plain_scale",
               "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
               "_featureless", "_reprobe_doublings", "_reprobing")
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
@@ -151,6 +155,7 @@ class AdaptiveBudget:
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state`; ValueError (nothing changed) when it does not fit this budget."""
+        state = {"chain_overhead_ms": state.get("overhead_ms"), "_chain_rounds": 0, **state}  # (saved before they existed)
         try:
             values = {name: state[name] for name in self._STATE}
             chains = state["chain_explorer"]
@@ -171,7 +176,8 @@ class AdaptiveBudget:
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
         counts = [("_scale_count", c) for c in values["_scale_count"]] + [
-            (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_gains", "_featureless",
+            (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_chain_rounds", "_gains",
+                                              "_featureless",
                                               "_reprobe_doublings", "_recent_choice")] + [
             (f"chain_explorer.{name}", explorer[name]) for name in ("_since", "decisions")]
         gaps = [("_explore_gap", values["_explore_gap"]), ("chain_explorer._gap", explorer["_gap"])]
@@ -181,7 +187,7 @@ class AdaptiveBudget:
         for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
             if not _finite(values[name]) or values[name] <= 0:
                 raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")
-        for name in ("overhead_ms", "plain_overhead_ms"):
+        for name in ("overhead_ms", "plain_overhead_ms", "chain_overhead_ms"):
             if not _finite(values[name]) or values[name] < 0:
                 raise ValueError(f"{name}: expected milliseconds >= 0, got {values[name]!r}")
         for name in ("draft_rate", "head_gain"):  # None until measured
@@ -252,8 +258,11 @@ class AdaptiveBudget:
         return self._curve[min(n, self.max_budget)] * self.verify_scales()[n > 0]
 
     def draft_cost(self, n: int) -> float:
-        """Milliseconds of a draft for a tree of n nodes: the cached curve, scaled as measured."""
-        return self._draft[min(n, self.max_budget)] * self._draft_scale
+        """Milliseconds of a draft for a tree of n nodes: the cached curve, scaled by the machine's
+        speed (the plain steps') times the drafts' own measured ratio to it. Drafts are timed only
+        in runs of drafted rounds, rare where drafting loses: a scale of their own would keep the
+        machine speed of the last such run, and a machine that sped up would never draft again."""
+        return self._draft[min(n, self.max_budget)] * self._draft_scale * self._plain_scale
 
     def plain_step_due(self) -> bool:
         """Whether this round must be a plain step whatever pays: the first timed round, then one
@@ -270,13 +279,17 @@ class AdaptiveBudget:
         self._since_plain = 0
         self._observe_verify(0, verify_ms)
 
-    def _observe_overhead(self, ms: float, tree: bool) -> None:
+    def _observe_overhead(self, ms: float, tree: bool, drafted: bool = True) -> None:
         self._rounds += 1
-        if tree:
+        if tree and drafted:
             self._tree_rounds += 1
             self.overhead_ms += (ms - self.overhead_ms) / min(self._tree_rounds, 100)
+        elif tree:
+            self._chain_rounds += 1
+            self.chain_overhead_ms += (ms - self.chain_overhead_ms) / min(self._chain_rounds, 100)
         else:
-            self.plain_overhead_ms += (ms - self.plain_overhead_ms) / min(self._rounds - self._tree_rounds, 100)
+            plain = self._rounds - self._tree_rounds - self._chain_rounds
+            self.plain_overhead_ms += (ms - self.plain_overhead_ms) / min(plain, 100)
 
     def _observe_verify(self, nodes: int, ms: float) -> None:
         k = int(nodes > 0)
@@ -293,7 +306,7 @@ class AdaptiveBudget:
         predicted = self._draft[min(nodes, self.max_budget)]
         if predicted > 0:  # (a curve measured without a drafter has none)
             self._draft_count += 1
-            self._draft_scale += (ms / predicted - self._draft_scale) * _weight(self._draft_count)
+            self._draft_scale += (ms / predicted / self._plain_scale - self._draft_scale) * _weight(self._draft_count)
 
     def chain_offer(self, tree: DraftTree) -> ChainOffer | None:
         """For a tree whose scores are calibrated log-probabilities of acceptance and that costs no
@@ -310,7 +323,7 @@ class AdaptiveBudget:
         acceptance, root first) with the most tokens per ms, if it beats a plain step."""
         expected, best = 1.0, None
         best_rate, (_, tree_scale) = self.plain_rate(), self.verify_scales()
-        curve, overhead = self._curve, self.overhead_ms  # (verify_cost inlined: priced every round)
+        curve, overhead = self._curve, self.chain_overhead_ms  # (verify_cost inlined: priced every round)
         for n in range(1, min(len(scores) - 1, self.max_budget) + 1):
             expected += math.exp(scores[n])  # a chain: node n is on the path with P = exp(score)
             cost = curve[n] * tree_scale + overhead
@@ -358,7 +371,7 @@ class AdaptiveBudget:
                 prefer = self.draft_rate is None or self.draft_rate >= chain.rate
             else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
                 nodes = len(chain.tree) - 1 + self._recent_choice
-                cost = self.draft_cost(nodes) + self.verify_cost(nodes) + self.overhead_ms
+                cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms
                 prefer = (chain.expected + self.head_gain) / cost > chain.rate
             drafted = self._chain_explorer.decide(prefer)
             self._offer = chain if drafted else None
@@ -398,21 +411,30 @@ class AdaptiveBudget:
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
-        cost = [self.draft_cost(n) + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
+        # The round drafted draft_nodes() nodes whatever prefix it verifies: every size is charged
+        # that draft (charged only its own size's, a small tree's round looked up to half a llama.cpp
+        # step cheaper than it is, and drafting seemed to pay where it did not).
+        draft = self.draft_cost(self.draft_nodes())
+        cost = [draft + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
                 for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
-        self._recent_choice = best if self._rounds == 0 else max(best, int(0.8 * self._recent_choice))
+        # The first choice sets it (its initial max_budget only lets the first tree be as big as it
+        # may), later ones let it shrink slowly.
+        self._recent_choice = (best if self._recent_choice >= self.max_budget
+                               else max(best, int(0.8 * self._recent_choice)))
         rate = expected[best] / cost[best]
         self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None) -> None:
+                verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
+                drafted: bool = True) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too;
         ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
         ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
         draft that projected only the previous round's features (not a prompt's, nor those of a run
-        of plain rounds: exploring pays those, drafting every round would not)."""
+        of plain rounds: exploring pays those, drafting every round would not); ``drafted``: False
+        for a round that verified a lookup chain alone."""
         if draft_ms is not None:
             self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)
@@ -422,7 +444,7 @@ class AdaptiveBudget:
                 self.trials[d][b] += 1
                 self.hits[d][b] += node in accepted
         if other_ms is not None:
-            self._observe_overhead(other_ms, tree=len(tree) > 1)
+            self._observe_overhead(other_ms, tree=len(tree) > 1, drafted=drafted)
         if verify_ms is not None:
             plain = len(tree) == 1
             self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1

@@ -110,7 +110,9 @@ class LoadBudget:
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
-                verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None) -> None:
+                verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
+                drafted: bool = True) -> None:
         """A shared request's verified tree and accepted path; the times (a lone request's round
-        outside draft and verify, its verify and its draft) feed the single-stream policy."""
-        self.single.observe(tree, path, other_ms, verify_ms, draft_ms, drafted_nodes)
+        outside draft and verify, its verify and its draft; ``drafted``: False for a lookup chain
+        verified alone) feed the single-stream policy."""
+        self.single.observe(tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)

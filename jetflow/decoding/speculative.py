@@ -109,7 +109,7 @@ def speculative_stream(
             timed_draft = drafted and drafted_last
             adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
                              verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
-                             drafted_nodes=nodes if timed_draft else None)
+                             drafted_nodes=nodes if timed_draft else None, drafted=drafted)
         drafted_last = drafted
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
