@@ -57,8 +57,9 @@ def _add_offline_eval_args(p: argparse.ArgumentParser, drafter_help: str) -> Non
     _add_data_arg(p)
     p.add_argument("--teacher-cache", type=Path, default=None,
                    help="a `jetflow cache-teacher` directory for --data (default: run the target online)")
-    p.add_argument("--sequences", default=None, help="START:END range of sequences in shard order, e.g. "
-                                                     "sequences no head under test was trained on (default: all)")
+    p.add_argument("--sequences", type=_sequence_range, default=None,
+                   help="START:END range of sequences in shard order, e.g. sequences no head under test was "
+                        "trained on (default: all)")
 
 
 def _device_and_dtype(args):
@@ -285,6 +286,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _sequence_range(text: str) -> str:
+    """A START:END range (either side may be empty), checked before any model loads; whether it
+    lies inside the data is checked once the data is read."""
+    from jetflow.eval.offline_acceptance import parse_range
+
+    try:
+        parse_range(text, 1 << 62)
+    except JetFlowError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _data_dir(text: str) -> Path:
@@ -518,9 +531,13 @@ def cmd_cache_teacher(args) -> int:
     from jetflow.training.trainer import data_label, load_sequences
 
     _writable_dir(str(args.out), "--out")
+    layers = _int_list(args.layers, "--layers") if args.layers else None  # (checked before the model loads)
     target = _load_jetflow_target(args, training=True)
-    if args.layers:
-        target.set_tapped_layers(_int_list(args.layers, "--layers"))
+    if layers:
+        try:
+            target.set_tapped_layers(layers)
+        except ValueError as e:
+            raise JetFlowError(f"--layers: {e}") from None
     sequences = load_sequences(args.data, target, args.max_sequences)
     manifest = build_teacher_cache(target, sequences, args.out, top_k=args.top_k,
                                    sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
@@ -935,7 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="the training run's --seed (with --held-out)")
     k.add_argument("--max-sequences", type=_positive_int, default=None,
                    help="the training run's --max-sequences (with --held-out: the split is drawn from that many)")
-    k.add_argument("--sequences", default=None, help="START:END range of sequences the head was not trained on")
+    k.add_argument("--sequences", type=_sequence_range, default=None,
+                   help="START:END range of sequences the head was not trained on")
     k.add_argument("--width", type=_positive_int, default=7, help="candidates per depth (decoding's --width)")
     k.add_argument("--out", type=Path, default=None,
                    help="write the calibrated checkpoint here (default: replace --drafter's config.json in place; "
@@ -1055,7 +1073,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Options that name files or directories: a leading ~ is the home directory, as in a shell, also
 # where the shell leaves it alone (`--out=~/runs/x`, a quoted path in a script), never a directory "~".
-PATH_OPTIONS = ("out", "data", "drafter", "prompts", "exclude", "init_from", "teacher_cache", "report", "auto_state")
+PATH_OPTIONS = ("out", "data", "drafter", "prompts", "exclude", "init_from", "teacher_cache", "report", "auto_state",
+                "baseline_drafter", "eagle_drafter", "native_drafter")
 
 
 def _expand_home(args) -> None:

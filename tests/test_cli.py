@@ -308,7 +308,8 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary.pop("seconds") >= 0 and summary == {"step": 2, "total_steps": 2, "train_sequences": 3}
     assert main(subset + ["--max-seconds", "-1"]) == 2 and "max_seconds" in capsys.readouterr().err
-    assert main(subset[:-1] + ["9"]) == 2 and "holds only 5" in capsys.readouterr().err
+    more = args[:6] + [str(tmp_path / "sub9")] + args[7:] + ["--max-sequences", "9"]
+    assert main(more) == 2 and "holds only 5" in capsys.readouterr().err
     eagle = args[:6] + [str(tmp_path / "eagle")] + args[7:] + ["--head", "eagle3", "--ttt-steps", "2"]
     assert main(eagle) == 0
     cfg = json.loads((tmp_path / "eagle" / "drafter" / "config.json").read_text())
@@ -345,7 +346,7 @@ def test_cache_and_train_on_several_data_directories(tiny_dir, tmp_path, capsys)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_sequences"] == 8  # 9, 1 held out
     swapped = train[:4] + [str(tmp_path / "b"), "--data", str(tmp_path / "a")] + train[7:]
     assert main(swapped[:-2] + ["--resume"]) == 2 and "other sequences" in capsys.readouterr().err
-    assert main(train[:7] + ["--data", str(tmp_path / "a")] + train[7:]) == 2
+    assert main(train[:7] + ["--data", str(tmp_path / "a")] + train[7:] + ["--resume"]) == 2
     assert "given twice" in capsys.readouterr().err
     assert main(["data-stats", "--data", str(tmp_path / "a"), "--data", str(tmp_path / "b"), "--json",
                  "--long-answer", "10"]) == 0
@@ -593,6 +594,11 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
              "--overwrite replaces it")):
         assert main([args[0], "--target", "/no/such/model", "--data", str(tmp_path), *args[1:]]) == 2, args
         assert message in capsys.readouterr().err, args
+    for command in ("eval-offline", "eval-agreement", "calibrate"):  # a malformed range: before any model loads
+        with pytest.raises(SystemExit):
+            main([command, "--target", "/no/such/model", "--data", str(tmp_path), "--drafter", str(tiny_drafter),
+                  "--sequences", "10:x"])
+        assert "sequence range must look like START:END" in capsys.readouterr().err, command
     # with --overwrite the checkpoint check passes and the missing model is what fails
     assert main(["calibrate", "--target", "/no/such/model", "--data", str(tmp_path), "--drafter", str(tiny_drafter),
                  *seq, "--out", str(taken), "--overwrite"]) == 2
@@ -776,3 +782,17 @@ def test_a_leading_tilde_in_path_options_is_the_home_directory(tmp_path, monkeyp
     args = build_parser().parse_args(["generate", "x", "--drafter", "auto"])
     _expand_home(args)
     assert args.drafter == "auto"
+    args = build_parser().parse_args(["bench", "--out", "o", "--eagle-drafter=~/e3", "--baseline-drafter=~/bi"])
+    _expand_home(args)
+    assert (args.eagle_drafter, args.baseline_drafter) == (str(tmp_path / "e3"), str(tmp_path / "bi"))
+
+
+def test_cache_teacher_layers_are_checked_before_the_model_loads_and_named(tiny_dir, tmp_path, capsys, monkeypatch):
+    import jetflow.cli as cli
+
+    assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "c"),
+                 "--layers", "1,x"]) == 2
+    assert "--layers" in capsys.readouterr().err
+    assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "c"),
+                 "--layers", "1,99"]) == 2  # a layer the target has not: an error naming it, not a traceback
+    assert "--layers: tapped layers [1, 99]" in capsys.readouterr().err

@@ -72,6 +72,15 @@ def test_refusals_keep_what_is_saved(tiny_dir, tmp_path):
     with pytest.raises(JetFlowError, match="target GGUF not found"):
         export_gguf(src, out, tmp_path / "missing.gguf")
     assert out.read_bytes() == b"earlier export"
+    from jetflow.export.gguf import _check_target_gguf
+    from jetflow.models.checkpoint import load_drafter
+
+    last = load_drafter(DFLASH_HEAD).config  # SmolLM2's head, made to read the last of its 30 layers
+    last.target_layer_ids = [1, 29]
+    with pytest.raises(JetFlowError, match=r"target layer\(s\) \[29\], the target's last"):
+        _check_target_gguf(last, smol_gguf)
+    last.target_layer_ids = [1, 28]
+    _check_target_gguf(last, smol_gguf)
     assert main(["export-gguf", "--drafter", str(src), "--target", str(tiny_dir), "--out", str(out)]) == 2
     assert out.read_bytes() == b"earlier export"
     fake, cut = tmp_path / "fake.gguf", tmp_path / "cut.gguf"

@@ -349,3 +349,20 @@ def test_a_journal_of_other_settings_or_a_damaged_one_is_refused_and_kept(tmp_pa
     (tmp_path / "other.json").write_text('{"a": 1}\n')
     with pytest.raises(JetFlowError, match="not a replay journal"):
         ReplayJournal(tmp_path / "other.json", {})
+
+
+def test_every_heads_replay_is_checked_before_any_replays(target, sequences, tmp_path, monkeypatch):
+    """Several drafters: one that cannot be replayed (an EAGLE head) is refused by name before the
+    others' replays run, not after an hour of them."""
+    from jetflow.eval import offline_acceptance as oa
+    from jetflow.models.eagle_head import EagleHead
+    from jetflow.training import trainer as trainer_mod
+
+    torch.manual_seed(0)
+    block = DraftHead(DraftHeadConfig.for_target(target, block_size=5)).save_pretrained(tmp_path / "block")
+    eagle = EagleHead(DraftHeadConfig.for_target(target, num_hidden_layers=1, block_size=4, kind="eagle3"))
+    eagle = eagle.save_pretrained(tmp_path / "eagle")
+    monkeypatch.setattr(trainer_mod, "load_sequences", lambda *a, **k: sequences)
+    monkeypatch.setattr(oa, "offline_acceptance", lambda *a, **k: pytest.fail("a replay ran before the check"))
+    with pytest.raises(JetFlowError, match="eagle: offline acceptance needs a block head"):
+        oa.evaluate_drafters(target, [str(block), str(eagle)], tmp_path, budgets=[4])

@@ -7,6 +7,7 @@ import torch
 import jetflow
 from jetflow.data.shards import Sequence, write_shard
 from jetflow.errors import JetFlowError
+from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
 from tiny import lossless_tau, tiny_model
@@ -122,6 +123,28 @@ def test_a_kill_between_or_inside_the_two_saves_resumes_from_one_consistent_save
     (run / "trainer_state").rename(run / ".trainer_state.jetflow-staged")
     again = Trainer(target, seqs, run, cfg)
     assert again.resume() and again.step == straight.step and (run / "trainer_state" / "state.pt").is_file()
+
+
+def test_a_warm_started_head_trains_on_its_own_layers_and_a_run_is_refused_before_any_work(target, data, tmp_path,
+                                                                                           monkeypatch):
+    """--init-from a head that reads other layers than the target's default taps: the online
+    teacher gives it its own layers' features (as decoding will); an --out that holds a run is
+    refused without --resume before the data loads or the target runs."""
+    from jetflow.training import run as run_mod
+
+    seqs = load_sequences(data, target)
+    target.set_tapped_layers([0, 3])
+    other = DraftHead(DraftHeadConfig.for_target(target, num_hidden_layers=1, block_size=5))
+    target.set_tapped_layers([1, 2])
+    try:
+        Trainer(target, seqs, tmp_path / "w", config(), head=other)
+        assert target.tapped_layers == (0, 3)
+    finally:
+        target.set_tapped_layers([1, 2])
+    (tmp_path / "run" / "trainer_state").mkdir(parents=True)
+    monkeypatch.setattr(run_mod, "load_sequences", lambda *a, **k: pytest.fail("the data loaded first"))
+    with pytest.raises(JetFlowError, match="already holds a training run; pass --resume"):
+        run_mod.train_drafter(target, data, tmp_path / "run", config())
 
 
 def test_an_out_holding_a_drafter_but_no_run_is_not_overwritten(target, data, tmp_path):

@@ -279,21 +279,9 @@ def offline_acceptance(head: DraftHead, target: TargetModel, sequences: list[Seq
     build the trees with the head's tree calibration when it has one (as decoding does).
     ``journal``: sequences it holds (under ``journal_key``) are read from it, the others recorded in it
     as they finish (eval/replay_journal.py). ``progress``: a progress bar on stderr with that label."""
-    if head.config.kind != "block":
-        raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
-                           "(measure it with `jetflow bench`)")
+    check_replayable(head, budgets, refine, lookup, lookup_session, anchors is not None or bool(anchors_per_seq))
     tree_refine = tree_passes(refine)  # tree-conditioned passes ("tree[:N]"), else 0
     refine = tree_refine or int(head.config.path_refine if refine is None else refine)  # passes after the first
-    if refine and not (head.config.shift_tokens and head.config.attention == "causal"):
-        raise JetFlowError("offline replay of the second pass needs a causal head trained with --shift-tokens; "
-                           "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
-    if not budgets or min(budgets) < 1:
-        raise JetFlowError(f"budgets must be >= 1, got {budgets}")
-    if lookup_session and not lookup:
-        raise JetFlowError("lookup_session carries the lookup calibration over; it needs lookup")
-    if lookup and (anchors is not None or anchors_per_seq):
-        raise JetFlowError("the lookup replay follows decoding's rounds (its calibration learns from them); "
-                           "it cannot use random or given anchors")
     head = head.eval()
     embed = target.embed
     lm_weight = head.output_weight(target.lm_head_weight())
@@ -389,6 +377,25 @@ def eval_teacher(target: TargetModel, sequences: list[Sequence], end: int, teach
                          target.device)
 
 
+def check_replayable(head, budgets, refine, lookup: bool, lookup_session: bool, anchored: bool) -> None:
+    """JetFlowError when :func:`offline_acceptance` cannot replay ``head`` so (checked for every head
+    before any replays: a later head's refusal must not come after an hour of the earlier ones')."""
+    if head.config.kind != "block":
+        raise JetFlowError(f"offline acceptance needs a block head; this one is {head.config.kind!r} "
+                           "(measure it with `jetflow bench`)")
+    passes = tree_passes(refine) or int(head.config.path_refine if refine is None else refine)
+    if passes and not (head.config.shift_tokens and head.config.attention == "causal"):
+        raise JetFlowError("offline replay of the second pass needs a causal head trained with --shift-tokens; "
+                           "measure this one's first pass (--no-refine) or decode it with `jetflow bench`")
+    if not budgets or min(budgets) < 1:
+        raise JetFlowError(f"budgets must be >= 1, got {budgets}")
+    if lookup_session and not lookup:
+        raise JetFlowError("lookup_session carries the lookup calibration over; it needs lookup")
+    if lookup and anchored:
+        raise JetFlowError("the lookup replay follows decoding's rounds (its calibration learns from them); "
+                           "it cannot use random or given anchors")
+
+
 def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teacher_cache=None, seq_range=None,
                       budgets=(16, 32, 64, 128, 256), width: int = 7, anchors_per_seq: int = 0,
                       seed: int = 0, log=print, refine: bool | int | None = None, lookup: bool = False,
@@ -405,6 +412,11 @@ def evaluate_drafters(target: TargetModel, drafters: list[str], data_dir, teache
     start, end = parse_range(seq_range, len(sequences))
     heads = {path: load_drafter(path, target=target, device=target.device, dtype=torch.float32)
              for path in drafters}
+    for path, head in heads.items():
+        try:
+            check_replayable(head, budgets, refine, lookup, lookup_session, bool(anchors_per_seq))
+        except JetFlowError as e:
+            raise JetFlowError(f"{path}: {e}") from None
     header = {"data": data_label(data_dir), "teacher_cache": None if teacher_cache is None else str(teacher_cache),
               "sequences": [start, end], "anchors_per_seq": anchors_per_seq, "seed": seed, "width": width,
               "budgets": list(budgets)}

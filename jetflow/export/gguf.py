@@ -122,6 +122,11 @@ def _check_target_gguf(config, target_gguf: Path) -> None:
                 for k in want if want[k] is not None and k in have and int(have[k]) != int(want[k])]
     if problems:
         raise JetFlowError(f"{target_gguf} is not the head's target: " + "; ".join(problems))
+    layers = int(have.get("num_hidden_layers") or want["num_hidden_layers"] or 0)
+    last = [i for i in config.target_layer_ids if layers and i + 1 >= layers]
+    if last:  # llama.cpp taps the input of layer i + 1: the last layer's output is not one
+        raise JetFlowError(f"the head reads target layer(s) {last}, the target's last: llama.cpp can only give the "
+                           f"outputs of layers 0..{layers - 2} (the inputs of the layers after them)")
 
 
 def export_gguf(drafter: str | Path, out: str | Path, target_gguf: str | Path, dtype: str = "float16",

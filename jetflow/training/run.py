@@ -83,14 +83,14 @@ def train_drafter(target: TargetModel, data: str | Path | list[str | Path], out:
     """Train a drafter on regeneration dir(s) ``data`` into ``out``; returns :meth:`Trainer.fit`'s summary.
     An ``out`` holding a run is continued with ``resume`` and refused without (never overwritten);
     ``snapshot_at``: fractions of the total steps at which a copy of the drafter is kept."""
+    out = Path(out)
+    if (out / "trainer_state").exists() and not resume:  # (before the data loads and the target runs)
+        raise JetFlowError(f"{out} already holds a training run; pass --resume or choose another --out")
     head = warm_start_head(init_from, target, config) if init_from else None
     sequences = load_sequences(data, target, max_sequences)
     trainer = Trainer(target, sequences, out, config, head=head, teacher_cache=teacher_cache)
-    out = Path(out)
     if resume and trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
-    elif (out / "trainer_state").exists() and not resume:
-        raise JetFlowError(f"{out} already holds a training run; pass --resume or choose another --out")
     elif (out / "drafter").exists():  # a head without a run's state: its first save cut short, or put there
         raise JetFlowError(f"{out / 'drafter'} holds a drafter but {out} has no training state to resume from; "
                            "training would replace it: choose another --out (or move the drafter away)")

@@ -237,6 +237,9 @@ class Trainer:
             # its own frequent tokens. A resumed run loads its saved vocabulary over this one.
             counts = token_counts((sequences[i] for i in self.train_set), target.vocab_size)
             head.set_draft_vocab(select_draft_vocab(counts, head.config.draft_vocab_size, target.stop_token_ids()))
+        # A warm-started head reads its own layers (the target's default taps may be others'): the
+        # online teacher's features must be those decoding will give it.
+        target.set_tapped_layers(head.config.target_layer_ids)
         self.head = head.to(target.device).train()
         if config.reveal > 0:  # the checkpoint says its head can run the path-conditioned pass
             self.head.config.path_refine = True
