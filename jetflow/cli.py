@@ -587,6 +587,10 @@ def cmd_calibrate(args) -> int:
     from jetflow.utils.fs import write_json_atomic
 
     _check_drafter_dirs([args.drafter])
+    from jetflow.models.draft_head import read_config
+
+    if (kind := read_config(args.drafter).kind) != "block":  # (before the model and the data load)
+        raise JetFlowError(f"tree calibration is for block heads; {args.drafter} is a {kind!r} head")
     if args.held_out and args.sequences:
         raise JetFlowError("give --held-out or --sequences, not both")
     if not args.held_out and not args.sequences:
@@ -618,6 +622,14 @@ def cmd_draft_vocab(args) -> int:
         raise JetFlowError("--out must be a new directory (the widened head drops the tree calibration; "
                            "run `jetflow calibrate --out` on it afterwards)")
     _new_checkpoint_dir(args.out, args.drafter, args.overwrite, CHECKPOINT_FILES)
+    from jetflow.models.draft_head import read_config
+    from jetflow.models.draft_vocab import check_widening
+
+    config = read_config(args.drafter)  # (its sizes are checked before the model and the data load)
+    try:
+        check_widening(config.draft_vocab_size if config.reduced_vocab else None, args.size, config.vocab_size)
+    except ValueError as e:
+        raise JetFlowError(f"{args.drafter}: {e}") from None
     target = _load_jetflow_target(args, training=True)
     if args.size > target.vocab_size:
         raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "

@@ -584,6 +584,13 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
     a_dir = tmp_path / "a-dir"
     a_dir.mkdir()
     seq = ["--sequences", "0:1"]
+    from jetflow.models.checkpoint import load_drafter
+
+    config = load_drafter(tiny_drafter).config  # an EAGLE head's checkpoint of the same shape
+    config.kind = "eagle3"
+    eagle = tmp_path / "eagle"
+    shutil.copytree(tiny_drafter, eagle)
+    (eagle / "config.json").write_text(json.dumps(config.to_json()))
     for args, message in (
             (["eval-offline", "--drafter", str(tiny_drafter), "--out", str(a_dir)], "is a directory, not a file"),
             (["eval-offline", "--drafter", str(tiny_drafter), "--budgets", "16,999"], "--budgets must be in [1, 256]"),
@@ -591,7 +598,11 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
             (["calibrate", "--drafter", str(tiny_drafter), *seq, "--report", str(a_dir)], "is a directory, not a file"),
             (["calibrate", "--drafter", str(tiny_drafter), *seq, "--out", str(taken)], "--overwrite replaces it"),
             (["draft-vocab", "--drafter", str(tiny_drafter), "--size", "10", "--out", str(taken)],
-             "--overwrite replaces it")):
+             "--overwrite replaces it"),
+            # what the head's config.json says already decides these: no model or data loads for them
+            (["draft-vocab", "--drafter", str(tiny_drafter), "--size", "10", "--out", str(tmp_path / "w")],
+             "the head already predicts the whole vocabulary"),
+            (["calibrate", "--drafter", str(eagle), *seq], "tree calibration is for block heads")):
         assert main([args[0], "--target", "/no/such/model", "--data", str(tmp_path), *args[1:]]) == 2, args
         assert message in capsys.readouterr().err, args
     for command in ("eval-offline", "eval-agreement", "calibrate"):  # a malformed range: before any model loads

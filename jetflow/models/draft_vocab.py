@@ -50,13 +50,21 @@ def widened_draft_vocab(current: torch.Tensor | None, counts: np.ndarray, size: 
     """A head's draft ids grown to ``size`` (0 or the vocabulary size: all of it): every current id
     kept, the most frequent others of ``counts`` added. None for the whole vocabulary."""
     vocab_size = len(counts)
+    check_widening(None if current is None else current.numel(), size, vocab_size)
     if size == 0 or size >= vocab_size:
         return None
+    return select_draft_vocab(counts, size, current.tolist())
+
+
+def check_widening(current: int | None, size: int, vocab_size: int) -> None:
+    """ValueError unless a draft vocabulary of ``current`` ids (None: the whole vocabulary) can grow
+    to ``size`` (0 or ``vocab_size`` and above: the whole vocabulary)."""
+    if size == 0 or size >= vocab_size:
+        return
     if current is None:
         raise ValueError("the head already predicts the whole vocabulary; a draft vocabulary cannot grow from there")
-    if size < current.numel():
-        raise ValueError(f"a draft vocabulary only grows: the head has {current.numel()} ids, asked for {size}")
-    return select_draft_vocab(counts, size, current.tolist())
+    if size < current:
+        raise ValueError(f"a draft vocabulary only grows: the head has {current} ids, asked for {size}")
 
 
 def mapping_tensors(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
