@@ -21,7 +21,7 @@ LLAMA_PATCH_ID := $(shell sha256sum $(LLAMA_PATCH) | cut -c1-10)
 HAS_AMX    := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo 1)
 # -march=native: a wheel runs only on CPUs with the vector extensions of the one that built it (else
 # SIGILL at the first decode), so a cache shared between machines keys wheels by those extensions.
-CPU_ISA_ID := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -owE 'avx[0-9a-z_]*|fma|f16c|bmi2|sse4_2|amx[a-z_0-9]*' | sort -u | sha256sum | cut -c1-8)
+CPU_ISA_ID := $(shell grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | grep -owE 'avx[0-9a-z_]*|fma|f16c|bmi2|sse4_2|amx[a-z_0-9]*|asimd[a-z0-9]*|sve[a-z0-9]*|i8mm|bf16' | sort -u | sha256sum | cut -c1-8)
 LLAMA_WHEELS := $(or $(JETFLOW_CACHE),$(HOME)/.cache/jetflow)/wheels/llama-cpp-python-$(LLAMA_CPP)-nollamafile-$(LLAMA_PATCH_ID)-isa$(CPU_ISA_ID)$(if $(HAS_AMX),-noamx)
 LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF $(if $(HAS_AMX),'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
 DEMO_PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?

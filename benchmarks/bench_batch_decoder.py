@@ -60,7 +60,8 @@ def main() -> None:
                       "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "ms_per_step": seconds / max(1, steps) * 1e3,
                       "draft_ms_per_step": sum(r.result.stats["time_split"].get("draft", 0.0) for r in requests)
                       / max(1, steps) * 1e3,
-                      "tau": [round(r.result.stats["tau"], 2) for r in requests]}))
+                      "tau": [None if r.result.stats["tau"] is None else round(r.result.stats["tau"], 2)
+                              for r in requests]}))
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(20)
 

@@ -96,7 +96,8 @@ class Arm:
         self.drafter = MixedDrafter(_NoHead(), self.committed, **kw)
         self.budget = AdaptiveBudget(curve)
         # ``price_switch``: a chain between one-token steps priced with both of its graph rebuilds
-        self.budget.overhead_ms = tree_overhead_ms + (2 * switch_ms if price_switch else 0.0)
+        # (lookup chains verified alone are priced with the chain rounds' overhead)
+        self.budget.chain_overhead_ms = tree_overhead_ms + (2 * switch_ms if price_switch else 0.0)
         self.curve, self.tree_overhead_ms, self.switch_ms = curve, tree_overhead_ms, switch_ms
         self._shape = 1  # tokens of the latest decode: another shape rebuilds llama.cpp's graph
         self.ms = self.plain_ms = 0.0

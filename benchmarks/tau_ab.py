@@ -69,7 +69,8 @@ def main() -> int:
                        "same_tokens": same}
         print(f"{name:40s} tau {b['summary']['tau']:.3f} -> {n['summary']['tau']:.3f}   "
               f"same tokens in {same} of {len(n['records'])} requests")
-    (out / "tau_ab.json").write_text(json.dumps({"base": commit, "new": (out / "new" / "COMMIT").read_text().strip(),
+    new_commit = json.loads((out / "new" / "COMMIT").read_text())["commit"]
+    (out / "tau_ab.json").write_text(json.dumps({"base": commit, "new": new_commit, "bench": bench_args,
                                                  "runs": table}, indent=1) + "\n")
     return 0
 

@@ -114,7 +114,8 @@ class JetFlow:
         for event in events:
             if isinstance(event, GenerationResult):  # the request is over: save, then hand over its result
                 try:
-                    write_json_atomic(self._state_path, {"state": self._adaptive.state()})
+                    # (no fsync: after every request, and a damaged state is dropped on load)
+                    write_json_atomic(self._state_path, {"state": self._adaptive.state()}, durable=False)
                 except OSError as e:  # the request's output matters more than what `auto` learned from it
                     print(f"jetflow: could not save the 'auto' state to {self._state_path}: {e}", file=sys.stderr)
             yield event

@@ -546,3 +546,19 @@ def test_batched_rounds_that_accept_whole_paths_stop_where_decoding_alone_does(t
         assert max(accepted) == 6 and sum(accepted) / len(accepted) > 3  # whole paths taken
     finally:
         target.model.generation_config.eos_token_id = eos
+
+
+def test_a_batch_decoder_taps_its_heads_layers_from_the_start(target):
+    """A decoder made while the target tapped another head's layers (another JetFlow set them last):
+    its batch keeps its own head's, and decodes, instead of refusing its own head at the first step."""
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))  # taps [0, 2]
+    target.set_tapped_layers([1, 3])
+    try:
+        decoder = BatchDecoder(target, head, lookup=False)
+        r = decoder.add(request(target, [10, 20, 30], 4, max_new_tokens=12))
+        while decoder.active:
+            decoder.step()
+        assert r.result.token_ids == jetflow.generate(target, [10, 20, 30], max_new_tokens=12).token_ids
+    finally:
+        target.set_tapped_layers([0, 2])

@@ -438,7 +438,8 @@ def test_greedy_outputs_that_change_between_repeats_are_reported(capsys):
     assert "NON-DETERMINISM: jetflow on gsm8k" in capsys.readouterr().err
 
 
-def test_what_changes_speed_is_in_a_runs_key_and_budgets_keep_their_own_lookup_counts(tiny_dir, heads, monkeypatch):
+def test_what_changes_speed_is_in_a_runs_key_and_budgets_keep_their_own_lookup_counts(tiny_dir, heads, monkeypatch,
+                                                                                       tmp_path):
     """A run stored at other threads, dtype, device or backend is not taken for this one; every
     method is named in the reports' order; each budget of jetflow-lookup keeps its own lookup counts
     (budgets timed side by side would otherwise price each other's chains)."""
@@ -457,6 +458,13 @@ def test_what_changes_speed_is_in_a_runs_key_and_budgets_keep_their_own_lookup_c
         settings = BenchSettings(target="tiny", drafters={}, extra={"runtime": runtime_settings(target)})
         keys.append(settings.run_key(METHODS["ar"], "gsm8k", None, ["a"]))
     assert keys[0] != keys[1]
+    from jetflow.eval.harness import stored_conflicts
+
+    before = dict(keys[0], extra={})  # a run stored before keys named the runtime: timed again, not refused
+    (tmp_path / "r.json").write_text(json.dumps({"key": before}))
+    assert stored_conflicts([(tmp_path / "r.json", keys[0])]) == []
+    (tmp_path / "r.json").write_text(json.dumps({"key": keys[1]}))
+    assert stored_conflicts([(tmp_path / "r.json", keys[0])])  # another thread count: refused by name
     runner = MethodRunner(target, {"causal": load_drafter(heads["causal"], target=target)}, width=3)
     prompt = [{"role": "user", "content": "hello there"}]
     for budget in (4, 8):

@@ -115,6 +115,9 @@ def test_a_round_is_charged_the_draft_it_ran_and_the_first_choice_sets_the_draft
     assert best == 1 + rates.index(max(rates)) and ab.draft_rate == pytest.approx(max(rates))
     assert best == 3 and expected[1] / (5.0 + 14.0) > max(rates)  # (priced at a one-node draft, 1 would win)
     assert ab._recent_choice == 3 and ab.draft_nodes() == 8  # not 0.8 * 256
+    small = AdaptiveBudget(costs, max_budget=3)  # a first choice of the largest size is a choice too
+    assert small.choose(t) == 3 and small._chosen
+    assert small.choose(chain_tree([0.9, 0.01])) == 1 and small._recent_choice == 2  # shrinks by a fifth, no jump
     for _ in range(30):  # the machine got twice as fast: plain steps say so, drafts follow
         ab.observe_plain(5.0)
     assert ab.draft_cost(8) == pytest.approx(5.0, rel=0.05)
@@ -145,14 +148,20 @@ def test_a_learned_state_round_trips_through_json_and_bad_ones_are_refused():
 
     before = fresh.state()
     other_shape = AdaptiveBudget(curve(), bins=5)
-    bad = [{}, {**state, "hits": state["hits"][:3]}, {**state, "trials": [[0.0] * 10] * 33},
-           {**state, "chain_explorer": None}, {**state, "_scale_count": 3}]
+    bad = [{}, None, [], {**state, "hits": state["hits"][:3]}, {**state, "trials": [[0.0] * 10] * 33},
+           {**state, "chain_explorer": None}, {**state, "_scale_count": 3}, {**state, "_chosen": 1}]
     for broken in bad:
         with pytest.raises(ValueError):
             fresh.load_state(broken)
         assert fresh.state() == before
     with pytest.raises(ValueError, match="rows"):
         other_shape.load_state(state)
+    # a state saved before chain rounds had their own overhead, and drafts their scale relative to
+    # the plain steps': read as it was meant
+    old = {k: v for k, v in state.items() if k not in ("chain_overhead_ms", "_chain_rounds", "_chosen")}
+    old.update(_plain_scale=2.0, _draft_scale=3.0, overhead_ms=1.5)
+    fresh.load_state(old)
+    assert fresh.chain_overhead_ms == 1.5 and fresh._chosen and fresh.draft_cost(4) == pytest.approx(3.0 * 4.0)
 
 
 def test_choice_follows_the_cost_curve():

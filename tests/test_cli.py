@@ -497,6 +497,16 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(calibrate[:4] + [str(tmp_path / "inplace")] + calibrate[5:] + ["--sequences", "0:6"]) == 0
     assert json.loads((tmp_path / "inplace" / "config.json").read_text())["tree_calibration"] == fitted
     assert (tmp_path / "inplace" / ".git" / "HEAD").read_text() == "ref: refs/heads/main"
+    # A hub snapshot's files are relative links into its blobs: the calibrated copy holds the files
+    linked = tmp_path / "snapshot" / "rev"
+    linked.mkdir(parents=True)
+    shutil.copy(Path(drafter) / "model.safetensors", tmp_path / "snapshot" / "blob")
+    (linked / "model.safetensors").symlink_to("../blob")
+    shutil.copy(Path(drafter) / "config.json", linked / "config.json")
+    assert main(calibrate[:4] + [str(linked)] + calibrate[5:] + ["--sequences", "0:6", "--out",
+                                                                 str(tmp_path / "cal-linked")]) == 0
+    copied = tmp_path / "cal-linked" / "model.safetensors"
+    assert not copied.is_symlink() and copied.read_bytes() == (Path(drafter) / "model.safetensors").read_bytes()
     for backup in ("inplace.old", "inplace.new"):
         assert (tmp_path / backup / "config.json").read_text() == (Path(drafter) / "config.json").read_text()
     # A wider draft vocabulary: the same weights, every old id kept, the calibration dropped (its

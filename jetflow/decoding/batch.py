@@ -80,6 +80,8 @@ class BatchDecoder:
         """``load_budget`` sizes the trees of requests whose budget is None (decoding/load_budget.py);
         ``max_batch``: the most requests at once (llama.cpp reserves a KV stream for each);
         ``prefix_slots``: entries of the batch's prefix cache (models/batched_target.py, llamacpp_batched.py)."""
+        if head is not None:  # the batch keeps features of the layers tapped when it is made: its head's
+            target.set_tapped_layers(head.config.target_layer_ids)
         self.batch = batched_target(target, max_batch, prefix_slots)
         self.target, self.head, self.lookup, self.int8 = target, head, lookup, int8
         self.load_budget = load_budget

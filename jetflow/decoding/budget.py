@@ -128,6 +128,7 @@ class AdaptiveBudget:
         self._offer: ChainOffer | None = None  # this round's paying chain, when the round drafted
         self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
+        self._chosen = False  # whether a size was chosen yet (the first choice sets _recent_choice)
         self.reprobe_every, self.max_reprobe_every = reprobe_every, max_reprobe_every
         self._featureless = 0  # requests in a row served without features (the head settled as losing)
         self._reprobe_doublings = 0  # re-probes in a row that found the head still losing
@@ -143,7 +144,7 @@ class AdaptiveBudget:
     _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "chain_overhead_ms", "_rounds", "_tree_rounds",
               "_chain_rounds", "_plain_scale",
               "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
-              "_featureless", "_reprobe_doublings", "_reprobing")
+              "_featureless", "_reprobe_doublings", "_reprobing", "_chosen")
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
 
     def state(self) -> dict:
@@ -155,7 +156,13 @@ class AdaptiveBudget:
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state`; ValueError (nothing changed) when it does not fit this budget."""
-        state = {"chain_overhead_ms": state.get("overhead_ms"), "_chain_rounds": 0, **state}  # (saved before they existed)
+        if not isinstance(state, dict):
+            raise ValueError(f"not a saved budget state (a JSON {type(state).__name__}, not an object)")
+        if "chain_overhead_ms" not in state:  # saved before chain rounds had their own mean, and drafts
+            # their scale relative to the plain steps' (a state of the same curve: rare, its name holds it)
+            plain, draft = state.get("_plain_scale"), state.get("_draft_scale")
+            state = {**state, "chain_overhead_ms": state.get("overhead_ms"), "_chain_rounds": 0, "_chosen": True,
+                     **({"_draft_scale": draft / plain} if _finite(plain) and _finite(draft) and plain > 0 else {})}
         try:
             values = {name: state[name] for name in self._STATE}
             chains = state["chain_explorer"]
@@ -193,7 +200,8 @@ class AdaptiveBudget:
         for name in ("draft_rate", "head_gain"):  # None until measured
             if values[name] is not None and not _finite(values[name]):
                 raise ValueError(f"{name}: expected a number or null, got {values[name]!r}")
-        for name, value in (("_reprobing", values["_reprobing"]), ("chain_explorer._prefer", explorer["_prefer"])):
+        for name, value in (("_reprobing", values["_reprobing"]), ("_chosen", values["_chosen"]),
+                            ("chain_explorer._prefer", explorer["_prefer"])):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: expected true or false, got {value!r}")
         if not all(math.isfinite(rate) for rate in rates.values()):
@@ -420,8 +428,8 @@ class AdaptiveBudget:
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         # The first choice sets it (its initial max_budget only lets the first tree be as big as it
         # may), later ones let it shrink slowly.
-        self._recent_choice = (best if self._recent_choice >= self.max_budget
-                               else max(best, int(0.8 * self._recent_choice)))
+        self._recent_choice = best if not self._chosen else max(best, int(0.8 * self._recent_choice))
+        self._chosen = True
         rate = expected[best] / cost[best]
         self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
         return best

@@ -72,11 +72,11 @@ def write_calibrated(drafter_dir: str | Path, calibration: TreeCalibration, out:
     config = json.loads((src / "config.json").read_text())
     config["tree_calibration"] = calibration.to_json()
     with replace_directory(Path(out), [f.name for f in src.iterdir()]) as tmp:
-        for f in src.iterdir():
-            if f.is_dir() and not f.is_symlink():
-                shutil.copytree(f, tmp / f.name, symlinks=True)
+        for f in src.iterdir():  # (what links point at: a hub snapshot's files are links into its blobs)
+            if f.is_dir():
+                shutil.copytree(f, tmp / f.name)
             elif f.name != "config.json":
-                shutil.copy2(f, tmp / f.name, follow_symlinks=False)
+                shutil.copy2(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return Path(out)
 

@@ -276,7 +276,8 @@ def stored_conflicts(plan: list[tuple[Path, dict]]) -> list[str]:
     """For each (run file, key) this benchmark would write: a line naming the file and the settings
     it was made with where a stored run there has other settings. Not conflicts: a damaged file, and
     a run that differs only in its prompts' content (an edited prompt file: the stored run describes
-    prompts that no longer exist), or whose key predates ``prompt_file``."""
+    prompts that no longer exist), or whose key predates ``prompt_file`` or the runtime's settings
+    (timed again, as before they were part of the key)."""
     lines = []
     for path, key in plan:
         if not path.is_file():
@@ -287,6 +288,8 @@ def stored_conflicts(plan: list[tuple[Path, dict]]) -> list[str]:
             continue
         if not isinstance(stored, dict):
             continue
+        if "runtime" in (key.get("extra") or {}) and "runtime" not in (stored.get("extra") or {}):
+            continue  # made before the key named the runtime's settings
         differ = sorted(k for k in key.keys() | stored.keys() if k != "prompt_ids" and stored.get(k) != key.get(k)
                         and (k in stored or k != "prompt_file"))
         if differ:

@@ -126,16 +126,17 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict, durable: bool = True) -> None:
     """Write a JSON file so readers see the old or the new content, never a torn one."""
-    write_text_atomic(path, json.dumps(obj, indent=2))
+    write_text_atomic(path, json.dumps(obj, indent=2), durable)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
     """Write a text file so readers see the old or the new content, never a torn one (staged in a
     temporary file of its own, so no file of the user's is overwritten on the way). A path that
-    cannot be written raises OSError and leaves no partial or staging file behind."""
-    with atomic_path(Path(path)) as tmp:
+    cannot be written raises OSError and leaves no partial or staging file behind. ``durable``:
+    on disk before it replaces the old content (off for state a reader may drop when damaged)."""
+    with atomic_path(Path(path), durable) as tmp:
         tmp.write_text(text)
 
 
@@ -181,7 +182,7 @@ def _umask_modes(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
+def atomic_path(final: Path, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling file path that replaces ``final`` only if the block succeeds, so an
     existing ``final`` survives a failed or interrupted write."""
     final = Path(final)
@@ -194,7 +195,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
-        durable_replace(tmp, final)
+        durable_replace(tmp, final) if durable else os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -209,7 +210,7 @@ def durable_replace(src: Path, dst: Path) -> None:
 
 
 def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)  # (Windows flushes only what it may write)
     try:
         os.fsync(fd)
     finally:
