@@ -1085,7 +1085,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Options that name files or directories: a leading ~ is the home directory, as in a shell, also
 # where the shell leaves it alone (`--out=~/runs/x`, a quoted path in a script), never a directory "~".
-PATH_OPTIONS = ("out", "data", "drafter", "prompts", "exclude", "init_from", "teacher_cache", "report", "auto_state",
+# (--exclude is expanded by its own type, _data_dir, which checks the directory while parsing)
+PATH_OPTIONS = ("out", "data", "drafter", "prompts", "init_from", "teacher_cache", "report", "auto_state",
                 "baseline_drafter", "eagle_drafter", "native_drafter")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from jetflow.errors import InvalidRequestError
+from jetflow.errors import InvalidRequestError, check_max_new_tokens
 
 
 class OutputStream:
@@ -21,8 +21,7 @@ class OutputStream:
         stop_token_ids: Iterable[int] = (),
         stop_strings: Sequence[str] = (),
     ):
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise InvalidRequestError("stop strings must be non-empty strings")
         self.tokenizer = tokenizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jetflow.errors import InvalidRequestError
+from jetflow.errors import InvalidRequestError, check_max_new_tokens
 from jetflow.models.llamacpp_target import LlamaCppError, _Batch
 
 
@@ -27,8 +27,7 @@ def generate_many(target, prompts: list[list[int]], max_new_tokens: int, tempera
     """Answers (token ids, a stop token included when produced) of ``target`` (a LlamaCppTarget)
     to every prompt; greedy at temperature 0, else sampled with ``generator``."""
     lib = target._lib
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     if not prompts:
         return []
     longest = max(len(p) for p in prompts) + max_new_tokens

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from jetflow.errors import ModelResolutionError
+from jetflow.errors import ModelResolutionError, first_line
 from jetflow.utils.fs import atomic_directory, cache_root, file_digest
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -169,7 +169,7 @@ def _download_from_hub(repo_id: str) -> Path:
         )
     except Exception as e:
         raise ModelResolutionError(
-            f"could not get {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"could not get {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: {first_line(e)}). "
             "Offline? Pass a local model directory or .gguf file instead."
         ) from None
     return Path(path)

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jetflow.decoding.prompt import stop_token_ids
-from jetflow.errors import InvalidRequestError, ModelResolutionError
+from jetflow.errors import InvalidRequestError, ModelResolutionError, check_max_new_tokens, first_line
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.few_row_linear import use_few_row_linear
 from jetflow.models.gqa_attention import use_packed_gqa
@@ -112,7 +112,7 @@ class TargetModel:
             tokenizer = AutoTokenizer.from_pretrained(resolved.path)
         except (OSError, ValueError, TypeError) as e:  # no tokenizer files, an unknown tokenizer class
             raise ModelResolutionError(f"{resolved.name}: no usable tokenizer in {resolved.path} "
-                                       f"({type(e).__name__}: {_first_line(e)})") from None
+                                       f"({type(e).__name__}: {first_line(e)})") from None
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 resolved.path, dtype=dtype, attn_implementation=attn_implementation
@@ -122,13 +122,13 @@ class TargetModel:
             hint = "" if weights or resolved.source != "hub" else \
                 " (the hub repository has no *.safetensors weights, the only format JetFlow downloads)"
             raise ModelResolutionError(f"{resolved.name}: transformers could not load a causal language model "
-                                       f"from {resolved.path}{hint} ({type(e).__name__}: {_first_line(e)})") from None
+                                       f"from {resolved.path}{hint} ({type(e).__name__}: {first_line(e)})") from None
         try:
             target = cls(model, tokenizer, name=resolved.name, tapped_layers=tapped_layers)
         except AttributeError as e:  # e.g. BERT's causal-LM head: no decoder layers to tap, no KV cache of ours
             raise ModelResolutionError(f"{resolved.name}: {model.config.model_type} models are not supported; JetFlow "
                                        f"needs a decoder-only model with decoder layers (Llama, Qwen, Mistral, ...) "
-                                       f"({_first_line(e)})") from None
+                                       f"({first_line(e)})") from None
         target.weights = weights_fingerprint(resolved.path)
         return target
 
@@ -361,8 +361,7 @@ class TargetModel:
         """Answers (token ids, the stop token included when produced) for a batch of prompt ids,
         without the decoder's cache (regeneration of training data). Prompts are left-padded; rows
         that finish are dropped from the batch and its cache, so the batch only pays for live rows."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         if not prompts:
             return []
         model, device = self.model, self.device
@@ -488,8 +487,3 @@ class TargetModel:
         """Commit ``token`` and return the target's greedy next token (the first maximum, as
         ``decoding.sampling.next_token``)."""
         return int(self.extend([token]).logits[-1].argmax())
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
