@@ -12,11 +12,11 @@ TORCH  ?= torch==2.13.0
 # On CPUs with AMX (Xeon Sapphire Rapids and later) the vendored llama.cpp's AMX matmul crashes on
 # the first decode (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue 20824, open), so AMX is
 # compiled out there: -march=native keeps AVX-512 and VNNI, explicit -mno-amx-* flags win over it.
-# The sdist is patched first (third_party/llama-cpp-python): two-column quantized dot kernels make a
-# multi-token verify cheaper on x86 and keep it bit for bit equal to one-token decodes. The wheel
+# The sdist is patched first (third_party/llama-cpp-python): multi-token tiles for quantized weights make
+# a verify cheaper on x86 and keep it bit for bit equal to one-token decodes. The wheel
 # directory is named by the patch's hash, so a changed patch builds a new wheel.
 LLAMA_CPP  ?= 0.3.36
-LLAMA_PATCH := third_party/llama-cpp-python/ggml-cpu-two-column-kernels.patch
+LLAMA_PATCH := third_party/llama-cpp-python/ggml-cpu-multi-token-tiles.patch
 LLAMA_PATCH_ID := $(shell sha256sum $(LLAMA_PATCH) | cut -c1-10)
 HAS_AMX    := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo 1)
 # -march=native: a wheel runs only on CPUs with the vector extensions of the one that built it (else

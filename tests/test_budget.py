@@ -672,7 +672,7 @@ def test_cached_lookup_chain_prices_equal_pricing_every_chain_afresh(monkeypatch
 
 
 def test_a_llamacpp_cost_curve_is_measured_again_on_another_build(tiny_dir, monkeypatch, tmp_path):
-    """Another llama.cpp CPU library (a rebuild with or without the two-column kernels) prices
+    """Another llama.cpp CPU library (a rebuild with or without JetFlow's multi-token tiles) prices
     verifies differently: the cached curve is keyed by the library's digest."""
     import jetflow.models.llamacpp_target as llamacpp_target
 
@@ -688,7 +688,7 @@ def test_a_llamacpp_cost_curve_is_measured_again_on_another_build(tiny_dir, monk
     costs_mod.cached_costs(target, drafter, tmp_path)
     costs_mod.cached_costs(target, drafter, tmp_path)
     assert len(runs) == 1
-    build = {"cpu_library": "bbbb", "quant_dot_columns": 2}
+    build = {"cpu_library": "bbbb", "quant_dot_columns": 16}
     costs_mod.cached_costs(target, drafter, tmp_path)
     assert len(runs) == 2 and len(list(tmp_path.glob("costs-*.json"))) == 2
 

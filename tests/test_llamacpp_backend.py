@@ -124,11 +124,12 @@ def test_verify_nodes_match_their_paths(llama_target, prompt_ids, seed):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("count", [2, 3, 4, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 7, 8, 9, 16, 17, 33])
 def test_a_batched_decode_equals_one_token_decodes_bit_for_bit(llama_target, prompt_ids, count):
     """Tokens decoded in one call give exactly the logits and features of the same tokens decoded one
-    at a time: what lossless verification on llama.cpp rests on. Even and odd counts, because the
-    two-column kernels of third_party/llama-cpp-python pair all but an odd count's last token."""
+    at a time: what lossless verification on llama.cpp rests on. Every path of third_party/llama-cpp-python's
+    tiles: 2-3 tokens (the register kernel), 4 and more (the scratch tile; groups of four and a rest of
+    1-3), past 16 (a second tile, or a lone token through ggml's one-row kernel)."""
     rng = random.Random(count)
     tokens = [rng.randrange(100, 40000) for _ in range(count)]
     llama_target.prefill(prompt_ids)
@@ -140,9 +141,9 @@ def test_a_batched_decode_equals_one_token_decodes_bit_for_bit(llama_target, pro
 
 
 @pytest.mark.real
-def test_the_build_is_named_and_has_the_two_column_kernels(llama_target):
+def test_the_build_is_named_and_has_the_multi_token_tiles(llama_target):
     """`make setup` builds llama-cpp-python with JetFlow's patch: on an AVX2 x86 CPU its quantized dot
-    products take two tokens per call. Costs are cached per CPU library (another build, other costs)."""
+    products take up to 16 tokens per tile. Costs are cached per CPU library (another build, other costs)."""
     import platform
 
     from jetflow.eval.machine import cpu_flags, machine
@@ -151,9 +152,9 @@ def test_the_build_is_named_and_has_the_two_column_kernels(llama_target):
     build = llama_build()
     assert len(build["cpu_library"]) == 16 and int(build["cpu_library"], 16) >= 0
     if platform.machine() in ("x86_64", "AMD64") and "avx2" in cpu_flags():
-        assert build["quant_dot_columns"] == 2, "llama-cpp-python was built without third_party/llama-cpp-python's patch"
+        assert build["quant_dot_columns"] == 16, "llama-cpp-python was built without third_party/llama-cpp-python's patch"
     else:
-        assert build["quant_dot_columns"] in (1, 2)
+        assert build["quant_dot_columns"] in (1, 16)
     assert machine()["llama_cpp"] == build
 
 

@@ -184,9 +184,10 @@ class CostCurve:
         return self.draft_ms(budget) + self.verify_ms(budget)
 
 
-# Every small size: on llama.cpp with the two-column kernels an odd token count pays a one-column pass
-# for its last token (3 tokens cost about what 4 do, 17 over 16 a step more), so sizes between two
-# measured ones are not on the line through them.
+# Every small size: llama.cpp's cost is not a line between two measured sizes. With JetFlow's tiles
+# (third_party/llama-cpp-python) 2-3 tokens run one kernel and 4 and more another, and a 17th token goes
+# through the one-row kernel alone; with the patch's first version an odd count paid a one-column pass
+# for its last token (3 tokens cost about what 4 did).
 COST_BUDGETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 # The modules whose code decides what a verify or a draft costs. A cached curve is keyed by their

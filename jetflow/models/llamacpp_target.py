@@ -84,8 +84,9 @@ def _loaded_cpu_library() -> Path | None:
 @functools.lru_cache(maxsize=None)
 def llama_build() -> dict:
     """Which llama.cpp CPU build runs here: ``cpu_library`` names the file's bytes (costs measured on
-    one build do not price another), ``quant_dot_columns`` is 2 on a build with JetFlow's two-column
-    kernels (third_party/llama-cpp-python; cheaper multi-token verifies), 1 on a stock build."""
+    one build do not price another), ``quant_dot_columns`` is 16 on a build with JetFlow's multi-token
+    tiles (third_party/llama-cpp-python; cheaper multi-token verifies), 2 on one with the patch's first
+    version (two-column kernels), 1 on a stock build."""
     _import_binding()
     path = _loaded_cpu_library()
     if path is None:
