@@ -2,7 +2,7 @@
 third_party/llama-cpp-python) does to a verify's cost, and that it changes no number.
 
     python benchmarks/llamacpp_build_vs_build.py \
-        --against ~/.cache/jetflow/wheels/llama-cpp-python-0.3.36-nollamafile --rounds 6 \
+        --against <a llama-cpp-python wheel built without the patch, or with its first version> --rounds 6 \
         --out docs/results/llamacpp/build_vs_build.json
 
 The installed build is timed against ``--against`` (a llama-cpp-python wheel, a directory holding one,
@@ -117,6 +117,8 @@ def main() -> int:
         return 0
     if args.against is None:
         ap.error("--against is required: the build to compare the installed one with")
+    if not args.sizes.startswith("1,"):
+        ap.error("--sizes must start with 1: every cost is also given relative to a one-token decode")
     if args.out is not None:
         from jetflow.utils.fs import check_writable_file
 
@@ -166,7 +168,7 @@ def main() -> int:
         write_json_atomic(args.out, {"command": ["python", "benchmarks/llamacpp_build_vs_build.py", *sys.argv[1:]],
                                      "machine": machine(), "threads": args.threads, "context": args.context,
                                      "reps": args.reps, "rounds": runs, "summary": summary})
-    return 0
+    return 0 if ins["bit_for_bit"] and ag["bit_for_bit"] else 1
 
 
 if __name__ == "__main__":
