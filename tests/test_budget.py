@@ -793,3 +793,36 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
         else:
             assert draft_ms is None and drafted_nodes is None
     assert timed >= 3 and any(n is not None and d is None for n, d, *_ in rounds)
+
+
+def test_the_cost_curve_keeps_its_ratios_when_the_machine_slows_down_midway(monkeypatch):
+    """A verify of k tokens that takes k one-token steps measures k steps although the machine runs at
+    half speed from the third size on: each size is timed against a one-token step of its own reps
+    (a ratio to the step timed at the start would read 2k there), and verify_ms is that ratio times
+    the start's step."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(now=0.0, slow=False)
+
+    class SlowingTarget:
+        vocab_size = 100
+
+        def prefill(self, ids, return_hidden=False):
+            pass
+
+        def verify(self, tokens, parents, return_hidden=False):
+            clock.slow = clock.slow or len(tokens) >= 5  # from the size of 4 draft nodes on, for good
+            clock.now += len(tokens) * (2e-3 if clock.slow else 1e-3)
+
+        def reset(self):
+            pass
+
+    monkeypatch.setattr(costs_mod.time, "perf_counter", lambda: clock.now)
+    import jetflow.utils.timing as timing
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock.now)
+    costs = costs_mod.measure_costs(SlowingTarget(), [1, 2, 4, 8], None, context=8, reps=3)
+    assert costs["c1_ms"] == pytest.approx(1.0) and costs["c1_after_ms"] == pytest.approx(2.0)
+    for n in (1, 2, 4, 8):
+        assert costs["verify_ratio"][n] == pytest.approx(n + 1)
+        assert costs["verify_ms"][n] == pytest.approx(n + 1)

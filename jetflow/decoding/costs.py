@@ -40,7 +40,12 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
     drafter), all after a ``context``-token prefix (and, with a drafter, up to 2 * (reps + 1) tokens
     committed after it). A twin of the drafter is timed, so the drafter is left as it was (one that
     cannot fork, EAGLE's head drafter, is timed itself and left reset to the measurement's context;
-    the loop resets it before a request); lookup counts are always the twin's own."""
+    the loop resets it before a request); lookup counts are always the twin's own.
+
+    Each rep of a size also times a one-token step right before its verify, and ``verify_ms[n]`` is
+    the median of those reps' own ratios times ``c1_ms``: a machine whose speed drifts while the
+    sizes are measured one after another (seen here: a third within minutes) moves a size's verify
+    and its paired step alike, where a ratio to the one step timed at the start moved with it."""
     g = torch.Generator().manual_seed(0)
     twin = None
     if drafter is not None:
@@ -50,26 +55,44 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
     target.prefill(prefix, return_hidden=False)
     root = prefix[-1]
     # As the loop runs them: with a drafter every forward returns features (a plain round's too).
-    c1 = median_ms(lambda: target.verify([root], [-1], return_hidden=drafter is not None), reps)
+    step = lambda: target.verify([root], [-1], return_hidden=drafter is not None)  # noqa: E731
+    c1 = median_ms(step, reps)
     verify_ms, draft_ms = {}, {}
     for n in budgets:
         parents = _random_tree(n + 1, g)
         tokens = torch.randint(0, target.vocab_size, (n + 1,), generator=g).tolist()
         if twin is None:
-            verify_ms[n] = median_ms(lambda: target.verify(tokens, parents, return_hidden=False), reps)
-            continue
-        verify_ms[n], draft_ms[n] = _verify_then_draft_ms(target, twin, prefix, tokens, parents, n, width, reps, g)
+            ratio = _paired_ratio(lambda: target.verify(tokens, parents, return_hidden=False), step, reps)
+        else:
+            ratio, draft_ms[n] = _verify_then_draft_ms(target, twin, prefix, tokens, parents, n, width, reps, g)
+        verify_ms[n] = ratio * c1
     # Once more at the end: a machine whose speed moved during the curve shows it here.
     target.prefill(prefix, return_hidden=False)
-    c1_after = median_ms(lambda: target.verify([root], [-1], return_hidden=drafter is not None), reps)
+    c1_after = median_ms(step, reps)
     target.reset()
     return {"context": context, "reps": reps, "c1_ms": c1, "c1_after_ms": c1_after, "verify_ms": verify_ms,
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
 
 
+def _paired_ratio(fn, step, reps: int) -> float:
+    """Median over ``reps`` of fn()'s time over the time of a ``step()`` run right before it (after
+    one warm-up of each)."""
+    step()
+    fn()
+    ratios = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        fn()
+        ratios.append((time.perf_counter() - t1) / (t1 - t0))
+    return statistics.median(ratios)
+
+
 def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[int], tokens: list[int],
                           parents: list[int], n: int, width: int, reps: int, g: torch.Generator) -> tuple[float, float]:
-    """Median ms of a verify of the tree (tokens, parents) and of a draft of n nodes, each draft as
+    """The median ratio of a verify of the tree (tokens, parents) to a one-token step timed right
+    before it at the same position (the verify replaces it), and the median ms of a draft of n nodes, each draft as
     the loop runs it: right after a verify (whose weights then fill the CPU's caches), projecting the
     features of the tokens that verify committed (its root and first node: node 1 always hangs under
     the root), from a fresh anchor (the round's bonus token). Timed back to back on a warm head with
@@ -79,18 +102,20 @@ def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[
     pre = target.prefill(prefix, return_hidden=True)  # back to the prefix: every size at one context
     drafter.reset()
     drafter.extend(pre.hidden)
-    verify_t, draft_t = [], []
+    ratios, draft_t = [], []
     for rep in range(reps + 1):  # the first, a warm-up, also projects the prefix
         t0 = time.perf_counter()
+        target.verify(tokens[:1], [-1], return_hidden=True)
+        t1 = time.perf_counter()
         out = target.verify(tokens, parents, return_hidden=True)
-        verify_t.append(time.perf_counter() - t0)
+        ratios.append((time.perf_counter() - t1) / (t1 - t0))
         target.commit([0, 1])
         drafter.extend(out.hidden[:2])
         anchor = int(torch.randint(0, target.vocab_size, (1,), generator=g))
         t0 = time.perf_counter()
         drafter.propose(anchor, target.past_len, target.max_context - target.past_len - 1, width, max_nodes=n).tree(n)
         draft_t.append(time.perf_counter() - t0)
-    return statistics.median(verify_t[1:]) * 1e3, statistics.median(draft_t[1:]) * 1e3
+    return statistics.median(ratios[1:]), statistics.median(draft_t[1:]) * 1e3
 
 
 def _scratch_twin(drafter: Drafter, target: TargetBackend) -> Drafter:
