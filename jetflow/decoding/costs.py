@@ -74,19 +74,20 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
 
 
+def _after_step(step, fn) -> tuple[float, object]:
+    """fn()'s time over the time of a ``step()`` run right before it, and what fn returned."""
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t1) / (t1 - t0), out
+
+
 def _paired_ratio(fn, step, reps: int) -> float:
-    """Median over ``reps`` of fn()'s time over the time of a ``step()`` run right before it (after
-    one warm-up of each)."""
+    """Median over ``reps`` of :func:`_after_step` (after one warm-up of each)."""
     step()
     fn()
-    ratios = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        fn()
-        ratios.append((time.perf_counter() - t1) / (t1 - t0))
-    return statistics.median(ratios)
+    return statistics.median(_after_step(step, fn)[0] for _ in range(reps))
 
 
 def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[int], tokens: list[int],
@@ -104,11 +105,9 @@ def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[
     drafter.extend(pre.hidden)
     ratios, draft_t = [], []
     for rep in range(reps + 1):  # the first, a warm-up, also projects the prefix
-        t0 = time.perf_counter()
-        target.verify(tokens[:1], [-1], return_hidden=True)
-        t1 = time.perf_counter()
-        out = target.verify(tokens, parents, return_hidden=True)
-        ratios.append((time.perf_counter() - t1) / (t1 - t0))
+        ratio, out = _after_step(lambda: target.verify(tokens[:1], [-1], return_hidden=True),
+                                 lambda: target.verify(tokens, parents, return_hidden=True))
+        ratios.append(ratio)
         target.commit([0, 1])
         drafter.extend(out.hidden[:2])
         anchor = int(torch.randint(0, target.vocab_size, (1,), generator=g))
