@@ -32,7 +32,9 @@ def test_jsonl_formats(tmp_path):
                       {"role": "assistant", "content": "Red."}]},
     ])
     got = load_jsonl(path)
-    assert [p.id for p in got] == ["mine.jsonl/1", "mine.jsonl/3", "mine.jsonl/4"]
+    assert [p.line for p in got] == [1, 3, 4]
+    assert [p.legacy_id for p in got] == ["mine.jsonl/1", "mine.jsonl/3", "mine.jsonl/4"]
+    assert [p.id for p in got] == [f"mine.jsonl/{P.content_digest(p.messages)}" for p in got]
     assert {p.source for p in got} == {"mine.jsonl"}
     assert got[0].messages == (("user", "What is 2 + 2?"),)
     assert got[1].as_chat() == [{"role": "user", "content": "Why is the sky blue?"}]
@@ -195,8 +197,32 @@ def test_dedupe_across_and_within_sources(tmp_path):
                                                {"messages": [{"role": "system", "content": "sys"},
                                                              {"role": "user", "content": "Same text"}]}])
     got = load_prompts([str(one), str(two)], seed=5)
-    assert sorted(p.id for p in got) == ["one.jsonl/1", "one.jsonl/2", "two.jsonl/2", "two.jsonl/3",
-                                         "two.jsonl/4"]  # case differs for /3; /4 has a system turn
+    assert sorted(p.legacy_id for p in got) == ["one.jsonl/1", "one.jsonl/2", "two.jsonl/2", "two.jsonl/3",
+                                                "two.jsonl/4"]  # case differs for /3; /4 has a system turn
+
+
+def test_same_named_files_in_two_directories_get_their_own_ids(tmp_path):
+    """Ids name the file and the prompt's content: a same-named file elsewhere has other ids, the
+    same file moved (another directory or machine) or grown by a line keeps its ids."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "moved").mkdir()
+    a = write_jsonl(tmp_path / "a" / "prompts.jsonl", [{"prompt": f"alpha {i}"} for i in range(4)])
+    b = write_jsonl(tmp_path / "b" / "prompts.jsonl", [{"prompt": f"beta {i}"} for i in range(4)])
+    ids_a, ids_b = [p.id for p in load_jsonl(a)], [p.id for p in load_jsonl(b)]
+    assert len(set(ids_a)) == 4 and not set(ids_a) & set(ids_b)
+    assert all(i.startswith("prompts.jsonl/") for i in ids_a + ids_b)  # (data-stats' source: the file name)
+    moved = tmp_path / "moved" / "prompts.jsonl"
+    moved.write_bytes(a.read_bytes())
+    assert [p.id for p in load_jsonl(moved)] == ids_a
+    write_jsonl(a, [{"prompt": "a new first line"}] + [{"prompt": f"alpha {i}"} for i in range(4)])
+    assert [p.id for p in load_jsonl(a)][1:] == ids_a
+
+    # --exclude drops prompts by id: the held-out prompts of a/ leave every prompt of b/ in
+    held_out = {p.id for p in load_prompts(str(moved), num=2)}
+    assert len(load_prompts(str(b), exclude=held_out)) == 4
+    assert {p.id for p in load_prompts(str(a), exclude=held_out)} == set(ids_a) - held_out | {
+        f"prompts.jsonl/{P.content_digest((('user', 'a new first line'),))}"}
+    # data regenerated before (ids "<file name>/<line>") still excludes its lines, as it did then
+    assert sorted(p.line for p in load_prompts(str(b), exclude={"prompts.jsonl/2"})) == [1, 3, 4]
 
 
 @pytest.mark.parametrize("mix, message", [

@@ -1,10 +1,11 @@
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 import jetflow
-from jetflow.data.prompts import Prompt
+from jetflow.data.prompts import Prompt, load_prompts
 from jetflow.data.regenerate import regenerate
 from jetflow.data.shards import list_shards, read_shard
 from jetflow.decoding.prompt import encode_prompt
@@ -104,6 +105,53 @@ def test_regenerate_shards_manifest_and_resume(target, tmp_path, monkeypatch):
     assert manifest["num_prompts"] == 7
     # The model's identity without runtime keys: data serves every runtime, older manifests still resume.
     assert "backend" in target.identity() and manifest["target"] == model_identity(target)
+
+
+def write_prompt_file(path, word, n):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": f"{word} {i}"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_a_same_named_prompt_file_elsewhere_is_neither_excluded_nor_resumed_as_done(target, tmp_path):
+    """a/prompts.jsonl and b/prompts.jsonl (run from their own directories: one --prompts string)."""
+    a = write_prompt_file(tmp_path / "a" / "prompts.jsonl", "alpha", 4)
+    b = write_prompt_file(tmp_path / "b" / "prompts.jsonl", "beta", 4)
+    out = tmp_path / "held-out"
+    regenerate(target, load_prompts(a), out, max_new_tokens=2, sources="prompts.jsonl", progress=False)
+    exclude = {s.prompt_id for shard in list_shards(out) for s in read_shard(shard)}  # (as --exclude reads it)
+    assert load_prompts(a, exclude=exclude) == [] and len(load_prompts(b, exclude=exclude)) == 4
+    with pytest.raises(JetFlowError, match="prompts_digest"):  # not taken for a's finished regeneration
+        regenerate(target, load_prompts(b), out, max_new_tokens=2, sources="prompts.jsonl", progress=False)
+
+
+def test_a_data_dir_of_line_number_ids_resumes_with_them(target, tmp_path, monkeypatch):
+    """A directory regenerated before .jsonl ids named their content (ids "<file>/<line>", no
+    prompt_id_version in its manifest) resumes: its shards are kept, the rest get ids of its kind."""
+    path = write_prompt_file(tmp_path / "prompts.jsonl", "question", 7)
+    settings = dict(max_new_tokens=4, batch_size=3, shard_size=3, sources=path, progress=False)
+    out = tmp_path / "old"
+    # what a run of before, killed after its first shard, left
+    regenerate(target, [dataclasses.replace(p, id=p.legacy_id) for p in load_prompts(path)], out, **settings)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.pop("prompt_id_version", None)
+    for name in ("shard-00001.npz", "shard-00002.npz"):
+        del manifest["shards"][name]
+        (out / name).unlink()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+    asked = []
+    real = target.generate_batch
+    monkeypatch.setattr(target, "generate_batch", lambda batch, *a: asked.extend(batch) or real(batch, *a))
+    resumed = regenerate(target, load_prompts(path), out, **settings)
+    assert resumed["complete"] and len(asked) == 4  # shard 0 kept, shards 1 and 2 written
+    ids = [s.prompt_id for shard in list_shards(out) for s in read_shard(shard)]
+    assert sorted(ids) == sorted(p.legacy_id for p in load_prompts(path))  # no mixed kinds, no repeats
+    assert "prompt_id_version" not in json.loads((out / "manifest.json").read_text())
+    fresh = regenerate(target, load_prompts(path), tmp_path / "new", **settings)
+    assert fresh["prompt_id_version"] == 2
+    assert {s.prompt_id for shard in list_shards(tmp_path / "new") for s in read_shard(shard)} == \
+        {p.id for p in load_prompts(path)}
 
 
 def test_dataset_answers_arm(target, tmp_path):

