@@ -398,12 +398,48 @@ def test_online_teacher_batches_sequences_into_one_target_forward(target, data):
     seqs = load_sequences(data, target)
     teacher = OnlineTeacher(target, torch.tensor([3, 1, 4, 15, 9, 26]))
     requests = [(i, seqs[i], torch.arange(seqs[i].prompt_len, len(seqs[i].token_ids) - 1 - i % 2)) for i in (2, 0, 5)]
-    features, rows = teacher.fetch_many(requests)
+    features, rows, top1 = teacher.fetch_many(requests)
     alone = [teacher.fetch(*r) for r in requests]
     for f, (want, _) in zip(features, alone):  # fp32 matmuls of other shapes: equal up to rounding
         torch.testing.assert_close(f, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(rows, torch.cat([t for _, t in alone]), atol=1e-4, rtol=1e-4)
     assert rows.shape == (sum(len(p) for _, _, p in requests), 6)
+    full = OnlineTeacher(target, None)  # the top-1 is over the full vocabulary, not the six draft ids
+    assert top1.tolist() == torch.cat([full.fetch(*r)[1] for r in requests]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("head, cached", [("block", False), ("block", True), ("eagle3", False)])
+def test_held_out_agreement_of_a_reduced_vocab_head_is_scored_over_the_full_vocabulary(target, tmp_path, head,
+                                                                                       cached):
+    """A one-token draft vocabulary: the draft's top-1 is always that token, and so is the best
+    in-vocabulary teacher token, so scoring against the restricted teacher counted every slot a hit.
+    Scored against the target's top-1 over its full vocabulary (online, or the cache's sorted top-k),
+    a token the target never puts first agrees nowhere, and its most frequent first token somewhere."""
+    from jetflow.training.teacher import OnlineTeacher
+    from jetflow.training.teacher_cache import build_teacher_cache
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [Sequence(f"random/{i}", torch.randint(0, 256, (30,), generator=g).tolist(), 6) for i in range(10)]
+    cache = tmp_path / "cache" if cached else None
+    if cached:
+        build_teacher_cache(target, seqs, cache, top_k=4, progress=False)
+    trainer = Trainer(target, seqs, tmp_path / "run", config(head=head, block_size=4, draft_vocab=1,
+                                                            eval_sequences=2), teacher_cache=cache)
+    full = OnlineTeacher(target, None)
+    top1 = [t for i in trainer.eval_set
+            for t in full.fetch(i, seqs[i], torch.arange(6, 29))[1].argmax(-1).tolist()]
+    never, most = next(t for t in range(target.vocab_size) if t not in top1), max(set(top1), key=top1.count)
+    for token in (never, most):
+        trainer.head.set_draft_vocab(torch.tensor([token]))
+        trainer._bind_vocab()
+        restricted = trainer.teacher.fetch(trainer.eval_set[0], seqs[trainer.eval_set[0]], torch.arange(6, 29))[1]
+        assert restricted.shape == (23, 1)  # its argmax is always the draft's pick: a hit for the old metric
+        agreement = trainer.evaluate()["top1_agreement"]
+        assert len(agreement) == 3
+        if token == never:
+            assert agreement == [0.0, 0.0, 0.0]
+        else:
+            assert 0 < sum(agreement) / 3 < 1
 
 
 def test_packing_changes_no_training_step(target, data, tmp_path):

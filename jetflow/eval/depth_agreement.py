@@ -38,6 +38,7 @@ from jetflow.models.draft_head import DraftHead
 from jetflow.models.target import TargetModel
 from jetflow.training.block_objective import block_context, blocks_forward
 from jetflow.training.blocks import answer_anchors, make_blocks
+from jetflow.training.teacher import to_target_ids
 
 
 @dataclass
@@ -70,8 +71,7 @@ class DepthAgreement:
 
 
 def _to_target_ids(head: DraftHead, draft_ids: torch.Tensor) -> torch.Tensor:
-    ids = head.draft_ids
-    return draft_ids if ids is None else ids.to(draft_ids.device)[draft_ids]
+    return to_target_ids(head.draft_ids, draft_ids)  # the mapping the trainer's agreement uses too
 
 
 def depth_hidden(head: DraftHead, embed, features: torch.Tensor, context, tokens: torch.Tensor, anchors: torch.Tensor,

@@ -16,6 +16,7 @@ from jetflow.models.draft_head import DraftHead
 from jetflow.training.blocks import (BlockBatch, answer_anchors, make_blocks, pack_blocks, sample_anchors,
                                      training_mask)
 from jetflow.training.losses import depth_weights, slot_losses
+from jetflow.training.teacher import top1_agreement
 
 
 def block_context(head: DraftHead, features: torch.Tensor,
@@ -104,7 +105,8 @@ def block_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple
     c, head, device = trainer.config, trainer.head, trainer.target.device
     plans = [_SequencePlan(trainer, index, g) for index, g in items]
     positions = [p.teacher_positions() for p in plans]
-    features, teacher = trainer.teacher.fetch_many([(p.index, p.seq, pos) for p, pos in zip(plans, positions)])
+    features, teacher, target_top1 = trainer.teacher.fetch_many([(p.index, p.seq, pos)
+                                                                 for p, pos in zip(plans, positions)])
     lengths = [f.shape[0] for f in features]
     packed_features = torch.cat(features)
     context = block_context(head, packed_features, torch.cat([torch.arange(n) for n in lengths]))
@@ -126,8 +128,8 @@ def block_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple
     if plans[0].dense is not None:
         loss = loss + c.dense_depth1 * _dense_depth1_loss(trainer, plans, packed_features, lengths, context,
                                                            teacher, sizes)
-    agree = (logits.argmax(-1) == main_teacher.argmax(-1)).float()
-    return loss, {"depth": depth.cpu(), "agree": agree.detach().cpu(), "sequence": segment.cpu()}
+    agree = top1_agreement(logits.detach(), head.draft_ids, target_top1[main_rows])
+    return loss, {"depth": depth.cpu(), "agree": agree.cpu(), "sequence": segment.cpu()}
 
 
 def _dense_depth1_loss(trainer, plans, features, lengths, context, teacher, sizes) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from jetflow.models.eagle_head import EagleHead
 from jetflow.training.blocks import sample_anchors
 from jetflow.training.losses import block_loss
+from jetflow.training.teacher import top1_agreement
 
 
 def ttt_states(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, steps: int,
@@ -77,12 +78,12 @@ def eagle_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple
     c, head, device = trainer.config, trainer.head, trainer.target.device
     steps = c.ttt_steps or head.max_depth
     plans = [_eagle_plan(trainer, index, g, steps) for index, g in items]
-    features, teacher = trainer.teacher.fetch_many([(index, seq, teach_pos) for (index, _), (seq, _, _, teach_pos)
-                                                    in zip(items, plans)])
+    requests = [(index, seq, teach_pos) for (index, _), (seq, _, _, teach_pos) in zip(items, plans)]
+    features, teacher, target_top1 = trainer.teacher.fetch_many(requests)
     losses, depths, agrees, segments, row = [], [], [], [], 0
     for i, ((seq, anchors, rows, teach_pos), feats) in enumerate(zip(plans, features)):
         tokens = torch.tensor(seq.token_ids)
-        seq_teacher = teacher[row:row + len(teach_pos)]
+        seq_teacher, seq_top1 = teacher[row:row + len(teach_pos)], target_top1[row:row + len(teach_pos)]
         row += len(teach_pos)
         with torch.no_grad():
             embeds = trainer.embed(tokens.to(device))
@@ -98,7 +99,7 @@ def eagle_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple
         losses.append(block_loss(logits, seq_teacher, labels.clamp(min=0).to(device), usable.to(device),
                                  depth.to(device), c.loss, c.kl_temperature, c.gamma))
         depths.append(depth)
-        agrees.append((logits.argmax(-1) == seq_teacher.argmax(-1)).float().detach().cpu())
+        agrees.append(top1_agreement(logits.detach(), head.draft_ids, seq_top1).cpu())
         segments.append(torch.full((len(depth),), i))
     return torch.stack(losses), {"depth": torch.cat(depths), "agree": torch.cat(agrees),
                                  "sequence": torch.cat(segments)}

@@ -339,7 +339,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss and per-depth top-1 agreement of draft and teacher."""
+        """Held-out loss and per-depth top-1 agreement of draft and target (the target's top-1 over
+        its full vocabulary: with a reduced draft vocabulary, one the head cannot propose is a miss)."""
         self.head.eval()
         g = torch.Generator().manual_seed(12345)
         losses, depth_hits, depth_counts = [], {}, {}
