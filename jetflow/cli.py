@@ -476,7 +476,7 @@ def cmd_regenerate(args) -> int:
 
 def cmd_train(args) -> int:
     from jetflow.training.distributed import init_distributed, is_main_process
-    from jetflow.training.run import train_drafter
+    from jetflow.training.run import head_target_layers, train_drafter
     from jetflow.training.trainer import TrainConfig
 
     config = TrainConfig(loss=args.loss, kl_temperature=args.kl_temperature, gamma=args.gamma,
@@ -496,11 +496,14 @@ def cmd_train(args) -> int:
     fractions = _fractions(args.snapshot_at)
     _writable_dir(str(args.out), "--out")
     check_replaceable(Path(args.out) / "drafter", CHECKPOINT_FILES)  # where the head goes: refused now, not after training
+    layers = _layer_ids(args.target_layers, "--target-layers") if args.target_layers is not None else None
+    head_target_layers(args.out, target_layers=layers, init_from=args.init_from, teacher_cache=args.teacher_cache,
+                       resume=args.resume)  # (a conflict of layers: refused before the model loads)
     init_distributed()
     target = _load_jetflow_target(args, training=True)
     result = train_drafter(target, args.data, args.out, config, init_from=args.init_from,
                            max_sequences=args.max_sequences, teacher_cache=args.teacher_cache, resume=args.resume,
-                           max_steps=args.max_steps, snapshot_at=tuple(fractions))
+                           max_steps=args.max_steps, snapshot_at=tuple(fractions), target_layers=layers)
     if is_main_process():
         print(json.dumps(result))
     return 0
@@ -531,7 +534,7 @@ def cmd_cache_teacher(args) -> int:
     from jetflow.training.trainer import data_label, load_sequences
 
     _writable_dir(str(args.out), "--out")
-    layers = _int_list(args.layers, "--layers") if args.layers else None  # (checked before the model loads)
+    layers = _layer_ids(args.layers, "--layers") if args.layers else None  # (checked before the model loads)
     target = _load_jetflow_target(args, training=True)
     if layers:
         try:
@@ -626,14 +629,14 @@ def cmd_draft_vocab(args) -> int:
     from jetflow.models.draft_vocab import check_widening
 
     config = read_config(args.drafter)  # (its sizes are checked before the model and the data load)
+    if args.size > config.vocab_size:  # (the head's vocabulary is its target's: loading it checks that)
+        raise JetFlowError(f"--size must be at most the target's vocabulary, {config.vocab_size} "
+                           f"(0: the whole vocabulary), got {args.size}")
     try:
         check_widening(config.draft_vocab_size if config.reduced_vocab else None, args.size, config.vocab_size)
     except ValueError as e:
         raise JetFlowError(f"{args.drafter}: {e}") from None
     target = _load_jetflow_target(args, training=True)
-    if args.size > target.vocab_size:
-        raise JetFlowError(f"--size must be at most the target's vocabulary, {target.vocab_size} "
-                           f"(0: the whole vocabulary), got {args.size}")
     report = widen_drafter_vocab(target, args.drafter, args.data, args.size, args.out, seed=args.seed,
                                  max_sequences=args.max_sequences)
     print(json.dumps(report))
@@ -753,6 +756,18 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise JetFlowError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def _layer_ids(text: str, flag: str) -> list[int]:
+    """Target layer ids (0-based) to tap, sorted: the order of a head's features is not the user's
+    concern, and so the same layers given in any order make the same cache and head. Whether the
+    target has them is checked once it loads."""
+    layers = _int_list(text, flag)
+    if min(layers) < 0:
+        raise JetFlowError(f"{flag} are 0-based layer ids, got {text!r}")
+    if len(set(layers)) < len(layers):
+        raise JetFlowError(f"{flag} names a layer twice: {text!r}")
+    return sorted(layers)
+
+
 def _load_jetflow_target(args, training: bool = False):
     """The target on the chosen backend; ``training``: a command that needs the torch backend's
     training forwards (train, cache-teacher, eval-offline)."""
@@ -829,7 +844,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gamma", type=_number, default=0.0, help="depth weighting exp(-(k-1)/gamma); 0 = uniform")
     t.add_argument("--block-size", type=_positive_int, default=16)
     t.add_argument("--anchors-per-seq", type=_positive_int, default=16)
-    t.add_argument("--layers", type=_positive_int, default=2)
+    t.add_argument("--layers", type=_positive_int, default=2, help="decoder layers of the head (default: %(default)s)")
+    t.add_argument("--target-layers", default=None, metavar="IDS",
+                   help="target layers a new head reads, 0-based, e.g. 1,8,14,20,27 (as `cache-teacher --layers`; "
+                        "default: the --teacher-cache's layers, else the draft head's default choice); a head from "
+                        "--init-from or --resume keeps its own")
     t.add_argument("--lr", type=_number, default=3e-4)
     t.add_argument("--epochs", type=_positive_int, default=1)
     t.add_argument("--batch", type=_positive_int, default=4, help="sequences per step and process")

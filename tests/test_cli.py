@@ -303,6 +303,16 @@ def test_train_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert main(args) == 2 and "--resume" in capsys.readouterr().err
     assert main(args + ["--resume"]) == 0
     capsys.readouterr()
+    # --target-layers: a new head's taps; a resumed run keeps them (a head on the target's default
+    # layers would not take the run's weights), and layers the target lacks are named.
+    taps = args[:6] + [str(tmp_path / "taps")] + args[7:]
+    assert main(taps + ["--target-layers", "2,1"]) == 0
+    layers = lambda: json.loads((tmp_path / "taps" / "drafter" / "config.json").read_text())["dflash_config"]
+    assert layers()["target_layer_ids"] == [1, 2]
+    assert main(taps + ["--resume"]) == 0 and layers()["target_layer_ids"] == [1, 2]
+    capsys.readouterr()
+    assert main(args[:6] + [str(tmp_path / "taps4")] + args[7:] + ["--target-layers", "1,4"]) == 2
+    assert "--target-layers: tapped layers [1, 4] must be non-empty ids in [0, 4)" in capsys.readouterr().err
     subset = args[:6] + [str(tmp_path / "sub")] + args[7:] + ["--max-sequences", "3"]
     assert main(subset) == 0  # 3 sequences, none held out: 1 step per epoch
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -367,14 +377,17 @@ def test_cache_teacher_and_reduced_vocab_training_cli(tiny_dir, tmp_path, capsys
     assert main(["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "12",
                  "--out", str(tmp_path / "data")]) == 0
     cache = ["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out",
-             str(tmp_path / "cache"), "--layers", "1,2", "--top-k", "8", "--part-size", "4"]
+             str(tmp_path / "cache"), "--layers", "2,1", "--top-k", "8", "--part-size", "4"]
     assert main(cache) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["complete"] and summary["sequences"] == 6
     train = ["train", "--target", str(tiny_dir), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
              "--block-size", "4", "--layers", "1", "--batch", "1", "--epochs", "2", "--warmup", "1",
              "--draft-vocab", "40", "--snapshot-at", "0.5", "--teacher-cache", str(tmp_path / "cache")]
-    assert main(train) == 2 and "layers" in capsys.readouterr().err  # cache taps 1,2; head default differs
+    taps = train[:6] + [str(tmp_path / "taps")] + train[7:]
+    assert main(taps) == 0  # a new head reads the cache's layers (given as 2,1: sorted), not the target's default
+    assert json.loads((tmp_path / "taps" / "drafter" / "config.json").read_text())["dflash_config"][
+        "target_layer_ids"] == [1, 2]
     parts = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert main(cache[:-6] + ["--top-k", "8"]) == 2  # other layers into the same dir: refused, nothing lost
     assert "other settings" in capsys.readouterr().err
@@ -601,6 +614,10 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
     eagle = tmp_path / "eagle"
     shutil.copytree(tiny_drafter, eagle)
     (eagle / "config.json").write_text(json.dumps(config.to_json()))
+    config.kind, config.draft_vocab_size = "block", 50  # a reduced-vocabulary head's config (its weights unread)
+    reduced = tmp_path / "reduced"
+    shutil.copytree(tiny_drafter, reduced)
+    (reduced / "config.json").write_text(json.dumps(config.to_json()))
     for args, message in (
             (["eval-offline", "--drafter", str(tiny_drafter), "--out", str(a_dir)], "is a directory, not a file"),
             (["eval-offline", "--drafter", str(tiny_drafter), "--budgets", "16,999"], "--budgets must be in [1, 256]"),
@@ -612,6 +629,10 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
             # what the head's config.json says already decides these: no model or data loads for them
             (["draft-vocab", "--drafter", str(tiny_drafter), "--size", "10", "--out", str(tmp_path / "w")],
              "the head already predicts the whole vocabulary"),
+            (["draft-vocab", "--drafter", str(reduced), "--size", "30", "--out", str(tmp_path / "w")],
+             "a draft vocabulary only grows: the head has 50 ids, asked for 30"),
+            (["draft-vocab", "--drafter", str(reduced), "--size", "300", "--out", str(tmp_path / "w")],
+             "--size must be at most the target's vocabulary, 272"),
             (["calibrate", "--drafter", str(eagle), *seq], "tree calibration is for block heads")):
         assert main([args[0], "--target", "/no/such/model", "--data", str(tmp_path), *args[1:]]) == 2, args
         assert message in capsys.readouterr().err, args
@@ -625,6 +646,42 @@ def test_eval_and_checkpoint_commands_refuse_a_bad_out_before_loading(tiny_draft
                  *seq, "--out", str(taken), "--overwrite"]) == 2
     assert "--overwrite" not in capsys.readouterr().err
     assert (taken / "config.json").read_text() == "{}" and not any(a_dir.iterdir())
+
+
+def test_train_target_layers_are_checked_and_conflicts_refused_before_the_model_loads(tiny_drafter, tmp_path,
+                                                                                      capsys):
+    """Malformed --target-layers, and layers that a trained head (--init-from, the run --resume
+    continues) or the teacher cache does not read, are refused from files alone: --target does not exist."""
+    from jetflow.training.teacher_cache import FORMAT
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"format": FORMAT, "tapped_layers": [1, 2]}))
+    run = tmp_path / "run"  # a run to resume, its head reading the tiny target's default layers 0..3
+    (run / "trainer_state").mkdir(parents=True)
+    shutil.copytree(tiny_drafter, run / "drafter")
+    train = ["train", "--target", "/no/such/model", "--data", str(tmp_path), "--out", str(tmp_path / "new")]
+    for extra, message in (
+            (["--target-layers", "1,x"], "--target-layers must be comma-separated integers, got '1,x'"),
+            (["--target-layers", "1,-2"], "--target-layers are 0-based layer ids"),
+            (["--target-layers", "2,1,2"], "--target-layers names a layer twice"),
+            (["--target-layers", "2,0", "--teacher-cache", str(cache)],
+             f"--target-layers asks for target layers [0, 2] but --teacher-cache {cache} holds [1, 2]: build a "
+             "teacher cache of those layers (`jetflow cache-teacher --layers 0,2`), or drop --target-layers"),
+            (["--target-layers", "1,2", "--init-from", str(tiny_drafter)],
+             "reads target layers [0, 1, 2, 3] but --target-layers asks for [1, 2]: a trained head keeps the layers "
+             "it was trained on; drop --target-layers"),
+            (["--init-from", str(tiny_drafter), "--teacher-cache", str(cache)], "cache-teacher --layers 0,1,2,3"),
+            (["--out", str(run), "--resume", "--target-layers", "1"],
+             f"the run in {run} (--resume) reads target layers [0, 1, 2, 3] but --target-layers asks for [1]")):
+        assert main(train + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    # layers that agree pass, and the missing model is what fails
+    for extra in (["--target-layers", "2,1", "--teacher-cache", str(cache)],
+                  ["--out", str(run), "--resume", "--target-layers", "0,1,2,3"]):
+        assert main(train + extra) == 2
+        assert "cannot resolve model '/no/such/model'" in capsys.readouterr().err, extra
+    assert sorted(p.name for p in (run / "drafter").iterdir()) == sorted(p.name for p in tiny_drafter.iterdir())
 
 
 def test_data_stats_reports_long_answers_and_names_a_bad_directory(tmp_path, capsys):
@@ -817,3 +874,6 @@ def test_cache_teacher_layers_are_checked_before_the_model_loads_and_named(tiny_
     assert main(["cache-teacher", "--target", str(tiny_dir), "--data", str(tmp_path), "--out", str(tmp_path / "c"),
                  "--layers", "1,99"]) == 2  # a layer the target has not: an error naming it, not a traceback
     assert "--layers: tapped layers [1, 99]" in capsys.readouterr().err
+    assert main(["cache-teacher", "--target", "/no/such/model", "--data", str(tmp_path), "--out",
+                 str(tmp_path / "c"), "--layers", "2,1,2"]) == 2
+    assert "--layers names a layer twice" in capsys.readouterr().err

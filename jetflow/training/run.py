@@ -11,9 +11,11 @@ import torch
 
 from jetflow.errors import JetFlowError
 from jetflow.models.checkpoint import load_drafter
-from jetflow.models.draft_head import DraftHead
+from jetflow.models.draft_head import DraftHead, read_config
 from jetflow.models.target import TargetModel
+from jetflow.training.teacher_cache import TeacherCache
 from jetflow.training.trainer import TrainConfig, Trainer, load_sequences
+from jetflow.utils.fs import _swap_names
 
 
 def warm_start_head(path: str | Path, target: TargetModel, config: TrainConfig) -> DraftHead:
@@ -76,16 +78,72 @@ def shrink_block(head: DraftHead, block_size: int) -> DraftHead:
     return small
 
 
+def head_target_layers(out: str | Path, *, target_layers: list[int] | None = None,
+                       init_from: str | Path | None = None, teacher_cache: str | Path | None = None,
+                       resume: bool = False) -> tuple[str, list[int]] | None:
+    """(where they come from, the target layers the run's head reads), from files alone, so that a
+    conflict is refused before the target loads: a trained head's own (the run ``resume`` continues,
+    or ``init_from``), else ``target_layers``, else the teacher cache's (a cache holds the features
+    of one set of layers: a new head trained on it can only read those). None: the target's default.
+    Every source given must agree: a trained head's weights read its own layers, and a cache
+    serves only the layers it holds."""
+    sources = []  # (name, verb, layers)
+    if resume and (Path(out) / "trainer_state").exists():
+        drafter = Path(out) / "drafter"  # (or its staged copy, a save cut short: a run's layers never change)
+        saved = next((d for d in (drafter, *_swap_names(drafter)) if (d / "config.json").is_file()), None)
+        if saved is not None:
+            sources.append((f"the run in {out} (--resume)", "reads", read_config(saved).target_layer_ids))
+    if init_from:
+        sources.append((f"--init-from {init_from}", "reads", read_config(init_from).target_layer_ids))
+    if target_layers:
+        sources.append(("--target-layers", "asks for", target_layers))
+    if teacher_cache:
+        cached = TeacherCache.read_manifest(teacher_cache)["tapped_layers"]
+        sources.append((f"--teacher-cache {teacher_cache}", "holds", cached))
+    if not sources:
+        return None
+    first, verb, layers = sources[0]
+    for other, other_verb, theirs in sources[1:]:
+        if list(theirs) != list(layers):
+            raise JetFlowError(f"{first} {verb} target layers {list(layers)} but {other} {other_verb} "
+                               f"{list(theirs)}: {_layers_hint(first, other, layers)}")
+    return first, list(layers)
+
+
+def _layers_hint(first: str, other: str, layers: list[int]) -> str:
+    """How to settle a conflict between the run's first source of target layers and another one."""
+    if other.startswith("--teacher-cache"):
+        fix = f"build a teacher cache of those layers (`jetflow cache-teacher --layers {','.join(map(str, layers))}`)"
+    else:
+        fix = "drop --target-layers" if other == "--target-layers" else "resume with the --init-from the run began with"
+    if first == "--target-layers":
+        return f"{fix}, or drop --target-layers to train a new head on the cache's layers"
+    return f"a trained head keeps the layers it was trained on; {fix}"
+
+
+def tap_layers(target: TargetModel, source: str, layers: list[int]) -> None:
+    """Make ``target`` give the features of ``layers``, refused by name where it has no such layer."""
+    try:
+        target.set_tapped_layers(layers)
+    except ValueError as e:
+        raise JetFlowError(f"{source}: {e} ({target.name} has {target.num_layers} layers)") from None
+
+
 def train_drafter(target: TargetModel, data: str | Path | list[str | Path], out: str | Path, config: TrainConfig, *,
                   init_from: str | Path | None = None, max_sequences: int | None = None,
                   teacher_cache: str | Path | None = None, resume: bool = False, max_steps: int | None = None,
-                  snapshot_at: tuple[float, ...] = ()) -> dict:
+                  snapshot_at: tuple[float, ...] = (), target_layers: list[int] | None = None) -> dict:
     """Train a drafter on regeneration dir(s) ``data`` into ``out``; returns :meth:`Trainer.fit`'s summary.
     An ``out`` holding a run is continued with ``resume`` and refused without (never overwritten);
-    ``snapshot_at``: fractions of the total steps at which a copy of the drafter is kept."""
+    ``snapshot_at``: fractions of the total steps at which a copy of the drafter is kept;
+    ``target_layers``: the target layers a new head reads (:func:`head_target_layers`)."""
     out = Path(out)
     if (out / "trainer_state").exists() and not resume:  # (before the data loads and the target runs)
         raise JetFlowError(f"{out} already holds a training run; pass --resume or choose another --out")
+    chosen = head_target_layers(out, target_layers=target_layers, init_from=init_from, teacher_cache=teacher_cache,
+                                resume=resume)
+    if chosen is not None:  # (a new head reads the target's current taps; a resumed one is such a head)
+        tap_layers(target, *chosen)
     head = warm_start_head(init_from, target, config) if init_from else None
     sequences = load_sequences(data, target, max_sequences)
     trainer = Trainer(target, sequences, out, config, head=head, teacher_cache=teacher_cache)
