@@ -151,11 +151,13 @@ class JetFlow:
         jf.drafter_path = path
         return jf
 
-    def stream(self, prompt, *, budget: int | None = None, width: int | None = None,
+    def stream(self, prompt, *, budget: int | None = None, width: int | None = None, every_round: bool = False,
                **request) -> Iterator[str | GenerationResult]:
         """Yield text deltas, then the :class:`GenerationResult` (with tau/rounds in ``stats``).
         Request keywords: max_new_tokens, temperature, top_k, top_p, seed, stop, chat; ``budget`` and
-        ``width`` override the decoder's for this request."""
+        ``width`` override the decoder's for this request. ``every_round``: a delta before every
+        decoding round, empty while no text is final (held back for a stop string or an incomplete
+        character), so a caller can stop the stream between any two rounds (the server's cancel)."""
         budget, width = _check_tree_args(self.budget if budget is None else budget,
                                          self.width if width is None else width)
         self._check_auto(budget)
@@ -167,9 +169,10 @@ class JetFlow:
             self._requests += 1
             ticket = self._requests
         if self.drafter is None:
-            events = autoregressive_stream(self.target, prompt_ids, params, output)
+            events = autoregressive_stream(self.target, prompt_ids, params, output, every_round)
         else:
-            events = speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width)
+            events = speculative_stream(self.target, self.drafter, prompt_ids, params, output, budget, width,
+                                        every_round)
             if isinstance(budget, AdaptiveBudget) and self._state_path:
                 events = self._saving_auto_state(events)
         return self._one_at_a_time(events, ticket)

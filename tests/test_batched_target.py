@@ -215,9 +215,10 @@ def test_a_lone_request_times_only_drafts_that_follow_a_drafted_round(target, mo
     monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
     seen, real = [], AdaptiveBudget.observe
 
-    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True):
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True,
+                greedy=True):
         seen.append((draft_ms, drafted_nodes, other_ms))
-        return real(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)
+        return real(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted, greedy)
 
     # A tree build of at least 20 ms: priced with the draft, not again in the round's other time.
     import time

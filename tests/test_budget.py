@@ -12,9 +12,12 @@ import torch
 
 import jetflow
 from jetflow.decoding import costs as costs_mod
-from jetflow.decoding.budget import AdaptiveBudget, ChainOffer
+from jetflow.decoding.api import prepare_request
+from jetflow.decoding.batch import BatchDecoder, BatchRequest
+from jetflow.decoding.budget import ACCEPTANCE_WINDOW, AdaptiveBudget, ChainOffer
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.drafter import make_drafter
+from jetflow.decoding.load_budget import LoadBudget
 from jetflow.models.draft_head import DraftHead, DraftHeadConfig
 from jetflow.models.target import TargetModel
 from jetflow.tree.build import DraftTree, build_tree
@@ -75,6 +78,115 @@ def test_expected_tokens_brute_force_and_observe():
         (ab.hits[2][5], ab.trials[2][5])
     assert d1_bin8 == pytest.approx((4 * 0.85 + 1, 5)) and d1_bin2 == pytest.approx((4 * 0.25, 5))
     assert d2_bin5 == pytest.approx((4 * 0.55, 5)) and ab.overhead_ms == pytest.approx(3.0)
+
+
+def test_acceptance_counts_follow_a_workload_change_within_their_window():
+    """A long server life of accepted nodes (math), then a workload whose nodes are rejected (chat):
+    the cell's rate follows within a window's trials, where counts summed since the start would
+    still price the nodes as accepted."""
+    ab = AdaptiveBudget(curve())
+    t = hand_tree().prefix(2)  # root -> a: depth 1, q .8
+    for _ in range(4 * ACCEPTANCE_WINDOW):
+        ab.observe(t, [0, 1])
+    assert ab.acceptance(1, 0.8) > 0.99 and ab.trials[1][8] == ACCEPTANCE_WINDOW
+    for _ in range(ACCEPTANCE_WINDOW):
+        ab.observe(t, [0])
+    assert ab.acceptance(1, 0.8) == pytest.approx((1 - 1 / (ACCEPTANCE_WINDOW + 1)) ** ACCEPTANCE_WINDOW, rel=0.01)
+    assert ab.acceptance(1, 0.8) < 0.4 and ab.trials[1][8] == ACCEPTANCE_WINDOW
+    assert ab.acceptance(1, 0.2) == pytest.approx(0.25)  # a cell below the window keeps its prior
+
+
+def test_sampled_requests_have_acceptance_counts_of_their_own():
+    """Speculative sampling accepts a node with P = min(1, p/q), not when it is the target's argmax:
+    sampled rounds do not move the greedy prices, nor greedy rounds the sampled ones."""
+    ab = AdaptiveBudget(curve())
+    t = hand_tree()
+    greedy = ab.expected_tokens(t)
+    for _ in range(50):
+        ab.observe(t, [0], greedy=False)  # every node rejected
+    assert ab.expected_tokens(t) == greedy and ab.expected_tokens(t, greedy=True) == greedy
+    sampled = ab.expected_tokens(t, greedy=False)
+    assert sampled[-1] < 1.2 and ab.acceptance(1, 0.8, greedy=False) < 0.1 < ab.acceptance(1, 0.8)
+    for _ in range(50):
+        ab.observe(t, [0, 1, 3])
+    assert ab.expected_tokens(t, greedy=False) == sampled and ab.expected_tokens(t)[-1] > greedy[-1]
+    # a small tree pays for greedy requests and not for sampled ones: each is sized by its own counts
+    dear = AdaptiveBudget(curve(per_node_ms=2.0, draft_ms=0.0))
+    for _ in range(50):
+        dear.observe(t, [0, 1, 3])
+        dear.observe(t, [0], greedy=False)
+    assert dear.choose(t) == 3 and dear.choose(t, greedy=False) == 1 == dear.min_budget
+    # the batched decoder's budget prices each request's tree by its mode, and counts it so
+    load = LoadBudget(curve(draft_ms=0.0), max_budget=16)
+    for _ in range(50):
+        load.observe(t, [0], greedy=False)
+    assert load.choose([t] * 4, 0.0, [True] * 4) > 0 and load.choose([t] * 4, 0.0, [False] * 4) == 0
+    assert load.choose([t], 0.0, [False]) == load.single.choose(t, greedy=False)
+
+
+def test_the_decoding_loop_counts_a_request_in_its_own_modes_table(tiny_dir, tmp_path):
+    """The single-stream loop and the batched decoder count a sampled request's nodes in the sampled
+    table, a greedy one's in the greedy table (``ab``: the budget whose tables are compared)."""
+    target = TargetModel.load(str(tiny_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
+    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
+    jf._adaptive = ab = AdaptiveBudget(curve(per_node_ms=0.0, draft_ms=0.0))  # (no measured curve: drafts pay)
+
+    def tables(greedy):
+        return json.dumps(ab._counts(greedy))
+
+    greedy, sampled = tables(True), tables(False)
+    jf.generate("hello", max_new_tokens=16, temperature=0.9, seed=1)
+    assert tables(True) == greedy and tables(False) != sampled
+    sampled = tables(False)
+    jf.generate("hello", max_new_tokens=16)
+    assert tables(True) != greedy and tables(False) == sampled
+
+    # the batched decoder: two sampled requests share steps (then one is left alone), a greedy one follows
+    load = LoadBudget(curve(per_node_ms=0.0, draft_ms=0.0), max_budget=16)
+    decoder, ab = BatchDecoder(target, head, lookup=False, load_budget=load), load.single
+    greedy, sampled = tables(True), tables(False)
+    for seed, n in ((1, 12), (2, 6)):
+        decoder.add(BatchRequest(*prepare_request(target, "hello", max_new_tokens=n, temperature=0.9, seed=seed),
+                                 budget=None, width=3))
+    while decoder.active:
+        decoder.step()
+    assert tables(True) == greedy and tables(False) != sampled
+    sampled = tables(False)
+    decoder.add(BatchRequest(*prepare_request(target, "hello", max_new_tokens=12), budget=None, width=3))
+    while decoder.active:
+        decoder.step()
+    assert tables(True) != greedy and tables(False) == sampled
+
+
+def test_a_state_with_one_table_of_counts_loads_as_the_greedy_table():
+    """A state saved before sampled requests had counts of their own, and without a window: its one
+    table prices greedy requests (cut to the window, rates kept), sampled ones start from the prior."""
+    ab = AdaptiveBudget(curve())
+    t = hand_tree()
+    for _ in range(20):
+        ab.observe(t, [0, 1])
+    state = json.loads(json.dumps(ab.state()))
+    old = json.loads(json.dumps({k: v for k, v in state.items() if k not in ("sampled_hits", "sampled_trials")}))
+    old["hits"][1][8], old["trials"][1][8] = 9000.0, 10000.0  # a long life's summed counts
+    fresh = AdaptiveBudget(curve())
+    prior = fresh.expected_tokens(t, greedy=False)
+    for _ in range(5):
+        fresh.observe(t, [0], greedy=False)  # what the loading process had learned is replaced
+    fresh.load_state(old)
+    assert fresh.expected_tokens(t, greedy=False) == prior
+    assert fresh.trials[1][8] == ACCEPTANCE_WINDOW and fresh.acceptance(1, 0.8) == pytest.approx(0.9)
+    assert fresh.hits[2] == ab.hits[2] and fresh.trials[2] == ab.trials[2]
+    fresh.load_state(state)  # a new state round-trips, both tables
+    assert fresh.state() == ab.state()
+    before = fresh.state()
+    for broken in ({**state, "sampled_trials": state["sampled_trials"][:3]},
+                   {**state, "sampled_hits": [[-1.0] * fresh.bins] * (fresh.max_depth + 1)},
+                   {k: v for k, v in state.items() if k != "sampled_trials"}):
+        with pytest.raises(ValueError, match="sampled_"):
+            fresh.load_state(broken)
+        assert fresh.state() == before
 
 
 def test_a_tree_rounds_overhead_is_not_diluted_by_plain_steps_nor_drafted_rounds():
@@ -761,9 +873,10 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
 
     real_observe = AdaptiveBudget.observe
 
-    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True):
+    def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True,
+                greedy=True):
         events.append(("round", draft_ms, drafted_nodes, other_ms))
-        return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)
+        return real_observe(self, tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted, greedy)
 
     monkeypatch.setattr(type(jf.drafter), "propose", propose)
     monkeypatch.setattr(AdaptiveBudget, "observe", observe)

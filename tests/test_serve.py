@@ -532,6 +532,73 @@ def test_a_stream_whose_client_left_before_it_began_is_cancelled_and_counted_499
     assert 'jetflow_requests_total{endpoint="/v1/completions",status="499"} 1' in metrics.render(0, 0)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("drafted", [True, False])
+def test_a_client_gone_while_its_text_is_held_back_stops_the_one_at_a_time_worker(endless_dir, monkeypatch, stream,
+                                                                                  drafted):
+    """--max-batch 1: a job with no text to send (a stop string longer than its output holds it all
+    back) whose client leaves mid-generation stops at the end of the round it is in, not at
+    max_tokens with the queue blocked meanwhile, and the request counts as cancelled (499). Both
+    loops: speculative (a verify per round) and plain (a greedy step per token)."""
+    import threading
+
+    from jetflow import JetFlow
+    from jetflow.models.draft_head import DraftHead
+    from jetflow.models.target import TargetModel
+    from jetflow.serve.app import create_app
+    from jetflow.serve.engine import Engine
+    from jetflow.serve.metrics import Metrics
+
+    target = TargetModel.load(str(endless_dir / "target"))
+    head = DraftHead.from_pretrained(str(endless_dir / "head")) if drafted else None
+    jf = JetFlow(target, head, budget=4, width=3)
+    engine, metrics, app = None, Metrics(), None
+    step = "verify" if drafted else "greedy_step"  # what each round of the loop calls once
+    run_round, rounds, jobs = getattr(target, step), [], []
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 300, "stop": "x" * 400, "temperature": 0,
+                       "stream": stream}).encode()
+
+    async def main():
+        loop, leave, sent = asyncio.get_running_loop(), asyncio.Event(), []
+
+        def round_then_leave(*args, **kw):  # the worker's round: in the third, the client leaves
+            rounds.append(len(rounds) + 1)
+            if len(rounds) == 3:
+                jobs.extend(engine._running)
+                loop.call_soon_threadsafe(leave.set)
+                assert jobs[0].cancelled.wait(30)  # the app has noticed and cancelled the job
+            return run_round(*args, **kw)
+
+        monkeypatch.setattr(target, step, round_then_leave)
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        await asyncio.to_thread(engine.shutdown, False, 60)  # the worker finishes the job, then stops
+        return await asyncio.wait_for(jobs[0].events.get(), 10), sent
+
+    engine = Engine(jf, max_batch=1)
+    app = create_app(engine, "tiny", metrics=metrics)
+    (kind, _), sent = asyncio.run(main())
+    assert rounds == [1, 2, 3]  # no round after the one the client left in
+    assert kind == "cancelled"
+    assert sent[0]["status"] == (200 if stream else 499)
+    assert metrics.cancelled == 1
+    assert 'jetflow_requests_total{endpoint="/v1/completions",status="499"} 1' in metrics.render(0, 0)
+
+
 def test_health_is_503_once_the_worker_has_died():
     from jetflow.serve.app import create_app
 

@@ -13,9 +13,12 @@ from jetflow.models.backend import TargetBackend
 
 
 def autoregressive_stream(
-    target: TargetBackend, prompt_ids: list[int], params: SamplingParams, output: OutputStream
+    target: TargetBackend, prompt_ids: list[int], params: SamplingParams, output: OutputStream,
+    every_round: bool = False,
 ) -> Iterator[str | GenerationResult]:
-    """Yield text deltas as tokens are produced, then the final :class:`GenerationResult`."""
+    """Yield text deltas as tokens are produced, then the final :class:`GenerationResult`.
+    ``every_round``: a delta before every step, empty when no text is final yet (as in
+    :func:`~jetflow.decoding.speculative.speculative_stream`)."""
     t0 = time.perf_counter()
     generator = params.make_generator(target.device)
     token = next_token(target.prefill(prompt_ids, return_hidden=False).logits[-1], params, generator)
@@ -25,7 +28,7 @@ def autoregressive_stream(
         if output.add(token) or target.past_len >= target.max_context:
             output.finish("length")
             break
-        if delta := output.drain():
+        if (delta := output.drain()) or every_round:
             yield delta
         if params.greedy:  # the runtime's own plain step: no logits copied out
             token = target.greedy_step(token)

@@ -198,7 +198,8 @@ class BatchDecoder:
         t_tree = time.perf_counter() if not drafts else t_drafted
         shared_ids = {r.id for r in shared}
         if shared:  # one node cap for this step, priced over the whole batch
-            cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3)
+            cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3,
+                                          [r.params.greedy for r in shared])
             for r in shared:
                 trees[r.id] = trees[r.id].prefix(min(cap, len(trees[r.id]) - 1) + 1)
         capacity = getattr(self.batch, "n_batch", None)  # llama.cpp: the tokens one decode takes
@@ -227,9 +228,9 @@ class BatchDecoder:
                 self.load_budget.observe(tree, paths[r.id], other_ms, verify_s * 1e3,
                                          draft_ms=(t_drafted - t_propose) * 1e3 + r._build_ms if timed else None,
                                          drafted_nodes=nodes[drafts.index(r)] if timed else None,
-                                         drafted=r in drafts)
+                                         drafted=r in drafts, greedy=r.params.greedy)
             elif r.id in shared_ids:
-                self.load_budget.observe(tree, paths[r.id])
+                self.load_budget.observe(tree, paths[r.id], greedy=r.params.greedy)
         self.batch.commit(paths)
         for r in self.active:
             r._drafted_last = r in drafts

@@ -9,8 +9,10 @@ at the largest budget therefore prices every smaller budget at once:
     P(node i on path) = P(parent on path) * a(depth_i, q_i)
 
 where q_i is the head's own probability of node i's token at its depth and a(d, q) is the measured
-rate at which the target agreed with such a node when its parent was accepted (running counts per
-depth and probability bin, starting from a(d, q) = q). The cost of a round is the machine's
+rate at which the target agreed with such a node when its parent was accepted (counts per depth and
+probability bin over a window of the latest ``ACCEPTANCE_WINDOW`` trials, starting from a(d, q) = q;
+one table for greedy requests and one for sampled ones, whose nodes are accepted with probability
+min(1, p/q) rather than when they are the target's argmax). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
 (one for rounds that verify nodes, one for plain rounds).
 
@@ -54,6 +56,16 @@ from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
 from jetflow.tree.build import DraftTree
 
 
+# Trials per (depth, probability bin) cell the acceptance counts remember: past it a cell's counts are
+# scaled down, so each trial then weighs 1/500 and old evidence halves every ~350 trials. A busy cell
+# (depth 1, the top bin) sees about one trial per round, so a change of workload (math, then chat;
+# another drafter) is followed within a few hundred rounds; summed over a server's life, the counts
+# weighed each new trial 1/(all trials so far). Acceptance is a Bernoulli per node: 500 trials still pin a rate to
+# about +-0.02 (standard error at most 0.5/sqrt(500)). A cell below the window is not scaled, so
+# the prior's pseudo-trials keep their full weight until evidence outweighs them.
+ACCEPTANCE_WINDOW = 500
+
+
 def _finite(value) -> bool:
     """A finite JSON number (not a bool)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -63,6 +75,14 @@ def _weight(count: int) -> float:
     """A measured ratio's weight in its running mean after ``count`` measurements: the mean of the
     first 20, then a running mean over about 20 (a machine's speed drifts)."""
     return 1 / min(count, 20)
+
+
+def _window(hits: list[float], trials: list[float], b: int) -> None:
+    """Scale cell ``b``'s counts down to ``ACCEPTANCE_WINDOW`` trials once they exceed it (the rate
+    stays, older trials weigh less)."""
+    if trials[b] > ACCEPTANCE_WINDOW:
+        hits[b] *= ACCEPTANCE_WINDOW / trials[b]
+        trials[b] = float(ACCEPTANCE_WINDOW)
 
 
 @dataclass
@@ -82,11 +102,10 @@ class AdaptiveBudget:
                  max_depth: int = 32, prior_trials: float = 4.0, explore_every: int = 8,
                  max_explore_every: int = 64, reprobe_every: int = 8, max_reprobe_every: int = 64):
         self.costs, self.max_budget, self.min_budget = costs, max_budget, min_budget
-        self.bins, self.max_depth = bins, max_depth
-        mids = [(b + 0.5) / bins for b in range(bins)]
-        # Pseudo-counts: before any evidence a node is accepted as often as the head believes.
-        self.hits = [[prior_trials * m for m in mids] for _ in range(max_depth + 1)]
-        self.trials = [[prior_trials] * bins for _ in range(max_depth + 1)]
+        self.bins, self.max_depth, self.prior_trials = bins, max_depth, prior_trials
+        # Greedy and sampled requests accept nodes by different rules, so each mode has its own counts.
+        self.hits, self.trials = self._prior_counts()
+        self.sampled_hits, self.sampled_trials = self._prior_counts()
         # Running means of a round's time outside draft and verify (tree build, acceptance, cache
         # commit), kept apart for rounds that verify nodes and plain ones: where most rounds are
         # plain steps, which have almost none of it, one mean over all would price a tree's at a
@@ -121,7 +140,8 @@ class AdaptiveBudget:
         # greedy acceptance is deterministic, so the chain alone would have emitted its prefix that
         # the target followed plus a bonus token, and the rest of what the round emitted is the
         # head's gain (timing rounds is too noisy on a shared CPU: a round's time moves by more than
-        # the draft's few percent of it).
+        # the draft's few percent of it). In a sampled request the same count is an estimate: the
+        # chain alone would have been accepted by its own draws, not by the tokens this round drew.
         self.head_gain: float | None = None  # running mean of that gain, tokens per drafted round
         self._gains = 0
         self._chain_explorer = Explorer(explore_every, max_explore_every)
@@ -139,10 +159,11 @@ class AdaptiveBudget:
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
-    # acceptance counts, cost scales, the rest of a round, and where exploring and re-probing stand.
-    # Not kept: the plain-step timing (a new process times a plain step first) and in-round counters.
-    _STATE = ("hits", "trials", "overhead_ms", "plain_overhead_ms", "chain_overhead_ms", "_rounds", "_tree_rounds",
-              "_chain_rounds", "_plain_scale",
+    # acceptance counts (greedy and sampled), cost scales, the rest of a round, and where exploring and
+    # re-probing stand. Not kept: the plain-step timing (a new process times a plain step first) and
+    # in-round counters.
+    _STATE = ("hits", "trials", "sampled_hits", "sampled_trials", "overhead_ms", "plain_overhead_ms",
+              "chain_overhead_ms", "_rounds", "_tree_rounds", "_chain_rounds", "_plain_scale",
               "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
               "_featureless", "_reprobe_doublings", "_reprobing", "_chosen")
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
@@ -163,6 +184,9 @@ class AdaptiveBudget:
             plain, draft = state.get("_plain_scale"), state.get("_draft_scale")
             state = {**state, "chain_overhead_ms": state.get("overhead_ms"), "_chain_rounds": 0, "_chosen": True,
                      **({"_draft_scale": draft / plain} if _finite(plain) and _finite(draft) and plain > 0 else {})}
+        if "sampled_hits" not in state and "sampled_trials" not in state:  # saved with one table for both
+            # modes, mostly greedy requests: it stays the greedy one, sampled requests start from the prior
+            state = dict(zip(("sampled_hits", "sampled_trials"), self._prior_counts()), **state)
         try:
             values = {name: state[name] for name in self._STATE}
             chains = state["chain_explorer"]
@@ -170,16 +194,17 @@ class AdaptiveBudget:
             rates = {{"true": True, "false": False}[way]: float(rate) for way, rate in chains["rates"].items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a saved budget state ({e!r} missing or of the wrong kind)") from None
-        for name in ("hits", "trials"):
+        for name in ("hits", "trials", "sampled_hits", "sampled_trials"):
             table = values[name]
             if (not isinstance(table, list) or len(table) != self.max_depth + 1
                     or any(not isinstance(row, list) or len(row) != self.bins for row in table)):
                 raise ValueError(f"{name}: expected {self.max_depth + 1} rows of {self.bins} counts")
             values[name] = [[float(x) for x in row] for row in table]
-        if any(not math.isfinite(t) or t <= 0 for row in values["trials"] for t in row):
-            raise ValueError("trials: counts must be positive")
-        if any(not math.isfinite(h) or h < 0 for row in values["hits"] for h in row):
-            raise ValueError("hits: counts must be finite and >= 0")
+        for mode in ("", "sampled_"):
+            if any(not math.isfinite(t) or t <= 0 for row in values[f"{mode}trials"] for t in row):
+                raise ValueError(f"{mode}trials: counts must be positive")
+            if any(not math.isfinite(h) or h < 0 for row in values[f"{mode}hits"] for h in row):
+                raise ValueError(f"{mode}hits: counts must be finite and >= 0")
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
         counts = [("_scale_count", c) for c in values["_scale_count"]] + [
@@ -208,6 +233,10 @@ class AdaptiveBudget:
             raise ValueError("chain_explorer.rates: expected finite rates")
         for name, value in values.items():
             setattr(self, name, value)
+        for hits, trials in (self._counts(True), self._counts(False)):  # (an old state summed without a window)
+            for hit_row, trial_row in zip(hits, trials):
+                for b in range(self.bins):
+                    _window(hit_row, trial_row, b)
         for name, value in explorer.items():
             setattr(self._chain_explorer, name, value)
         self._chain_explorer.rates = rates
@@ -399,23 +428,38 @@ class AdaptiveBudget:
         q = math.exp(tree.scores[node] - tree.scores[tree.parents[node]])
         return min(tree.depths[node], self.max_depth), min(self.bins - 1, int(q * self.bins))
 
-    def acceptance(self, depth: int, q: float) -> float:
-        d, b = min(depth, self.max_depth), min(self.bins - 1, int(q * self.bins))
-        return self.hits[d][b] / self.trials[d][b]
+    def _prior_counts(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(hits, trials) of pseudo-counts: before any evidence a node is accepted as often as the
+        head believes."""
+        mids = [(b + 0.5) / self.bins for b in range(self.bins)]
+        rows = range(self.max_depth + 1)
+        return [[self.prior_trials * m for m in mids] for _ in rows], [[self.prior_trials] * self.bins for _ in rows]
 
-    def expected_tokens(self, tree: DraftTree) -> list[float]:
-        """E[tokens per round] when verifying the first n + 1 nodes, for n = 0 .. len(tree) - 1."""
+    def _counts(self, greedy: bool) -> tuple[list[list[float]], list[list[float]]]:
+        """(hits, trials) of requests that decode greedily, or of sampled ones."""
+        return (self.hits, self.trials) if greedy else (self.sampled_hits, self.sampled_trials)
+
+    def acceptance(self, depth: int, q: float, greedy: bool = True) -> float:
+        d, b = min(depth, self.max_depth), min(self.bins - 1, int(q * self.bins))
+        hits, trials = self._counts(greedy)
+        return hits[d][b] / trials[d][b]
+
+    def expected_tokens(self, tree: DraftTree, greedy: bool = True) -> list[float]:
+        """E[tokens per round] when verifying the first n + 1 nodes, for n = 0 .. len(tree) - 1, for
+        a request that decodes greedily or (``greedy`` False) samples."""
+        hits, trials = self._counts(greedy)
         on_path = [1.0] + [0.0] * (len(tree) - 1)
         expected = [1.0]
         for node in range(1, len(tree)):
             d, b = self._cell(tree, node)
-            on_path[node] = on_path[tree.parents[node]] * self.hits[d][b] / self.trials[d][b]
+            on_path[node] = on_path[tree.parents[node]] * hits[d][b] / trials[d][b]
             expected.append(expected[-1] + on_path[node])
         return expected
 
-    def choose(self, tree: DraftTree) -> int:
-        """The number of draft nodes (a prefix of ``tree``'s node order) to verify this round."""
-        expected = self.expected_tokens(tree)
+    def choose(self, tree: DraftTree, greedy: bool = True) -> int:
+        """The number of draft nodes (a prefix of ``tree``'s node order) to verify this round
+        (``greedy``: whether the request decodes greedily)."""
+        expected = self.expected_tokens(tree, greedy)
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
             return top
@@ -436,8 +480,9 @@ class AdaptiveBudget:
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
                 verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
-                drafted: bool = True) -> None:
-        """Count, for every verified node whose parent was accepted, whether it was accepted too;
+                drafted: bool = True, greedy: bool = True) -> None:
+        """Count, for every verified node whose parent was accepted, whether it was accepted too (in
+        the counts of greedy requests, or of sampled ones when ``greedy`` is False);
         ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
         ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
         draft that projected only the previous round's features (not a prompt's, nor those of a run
@@ -446,11 +491,13 @@ class AdaptiveBudget:
         if draft_ms is not None:
             self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)
+        hits, trials = self._counts(greedy)
         for node in range(1, len(tree)):
             if tree.parents[node] in accepted:
                 d, b = self._cell(tree, node)
-                self.trials[d][b] += 1
-                self.hits[d][b] += node in accepted
+                trials[d][b] += 1
+                hits[d][b] += node in accepted
+                _window(hits[d], trials[d], b)
         if other_ms is not None:
             self._observe_overhead(other_ms, tree=len(tree) > 1, drafted=drafted)
         if verify_ms is not None:

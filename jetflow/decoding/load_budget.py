@@ -86,12 +86,14 @@ class LoadBudget:
             return
         self._way(self.bucket(batch)).observe(drafted, tokens / ms)
 
-    def choose(self, trees: list[DraftTree], draft_ms: float) -> int:
-        """The per-request node cap for this step's trees (0: verify the roots only)."""
+    def choose(self, trees: list[DraftTree], draft_ms: float, greedy: list[bool] | None = None) -> int:
+        """The per-request node cap for this step's trees (0: verify the roots only); ``greedy``:
+        whether each tree's request decodes greedily (None: all do)."""
         batch = len(trees)
+        greedy = [True] * batch if greedy is None else greedy
         if batch == 1:
-            return self.single.choose(trees[0])
-        expected = [self.acceptance.expected_tokens(t) for t in trees]
+            return self.single.choose(trees[0], greedy[0])
+        expected = [self.acceptance.expected_tokens(t, g) for t, g in zip(trees, greedy)]
         best, best_rate = 0, self.plain_rate(batch)
         top = min(self.max_budget, max(len(t) - 1 for t in trees))
         for cap in range(1, top + 1):
@@ -111,8 +113,8 @@ class LoadBudget:
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
                 verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
-                drafted: bool = True) -> None:
-        """A shared request's verified tree and accepted path; the times (a lone request's round
-        outside draft and verify, its verify and its draft; ``drafted``: False for a lookup chain
-        verified alone) feed the single-stream policy."""
-        self.single.observe(tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted)
+                drafted: bool = True, greedy: bool = True) -> None:
+        """A shared request's verified tree and accepted path (``greedy``: whether it decodes
+        greedily); the times (a lone request's round outside draft and verify, its verify and its
+        draft; ``drafted``: False for a lookup chain verified alone) feed the single-stream policy."""
+        self.single.observe(tree, path, other_ms, verify_ms, draft_ms, drafted_nodes, drafted, greedy=greedy)

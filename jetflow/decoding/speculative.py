@@ -30,9 +30,11 @@ def speculative_stream(
     output: OutputStream,
     budget: int | AdaptiveBudget,
     width: int,
+    every_round: bool = False,
 ) -> Iterator[str | GenerationResult]:
     """Yield text deltas as rounds commit tokens, then the :class:`GenerationResult`. ``budget`` is a
-    node count, or an :class:`AdaptiveBudget` that picks one per round."""
+    node count, or an :class:`AdaptiveBudget` that picks one per round. ``every_round``: a delta
+    before every round, empty when no text is final yet, so the caller can stop between any two."""
     adaptive = budget if isinstance(budget, AdaptiveBudget) else None
     t0 = time.perf_counter()
     stats = SpeculativeStats(device=target.device)
@@ -58,7 +60,7 @@ def speculative_stream(
     drafted_last = False  # the previous round drafted: this round's draft projects only its features
     finished = output.add(root)
     while not finished:
-        if delta := output.drain():
+        if (delta := output.drain()) or every_round:
             yield delta
         if features and adaptive is not None and not adaptive.keeps_features():
             features, plain_steps, dropped = False, params.greedy, True
@@ -97,7 +99,7 @@ def speculative_stream(
                 tree = proposal.tree(nodes)
                 build_ms = (time.perf_counter() - t) * 1e3
                 if adaptive is not None:  # one build at the largest budget prices every smaller one (decoding/budget.py)
-                    tree = tree.prefix(adaptive.choose(tree) + 1)
+                    tree = tree.prefix(adaptive.choose(tree, params.greedy) + 1)
         cells = target.tree_room()
         if cells is not None and len(tree) > cells:  # near the context's end, fewer nodes than levels fit
             tree = tree.prefix(cells)
@@ -109,7 +111,7 @@ def speculative_stream(
             timed_draft = drafted and drafted_last
             adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
                              verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
-                             drafted_nodes=nodes if timed_draft else None, drafted=drafted)
+                             drafted_nodes=nodes if timed_draft else None, drafted=drafted, greedy=params.greedy)
         drafted_last = drafted
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))

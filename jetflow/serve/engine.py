@@ -181,7 +181,9 @@ class Engine:
             self._take(job)
             t0 = time.perf_counter()
             try:
-                events = self.jetflow.stream(job.prompt_ids, **job.request)
+                # An event every round, text or not: a cancelled job stops between two rounds, as in
+                # a batch, also while its text is held back (a stop string's prefix, a partial character).
+                events = self.jetflow.stream(job.prompt_ids, every_round=True, **job.request)
                 for event in events:
                     if job.cancelled.is_set():
                         events.close()
@@ -189,7 +191,7 @@ class Engine:
                         break
                     if isinstance(event, GenerationResult):
                         job._emit("done", event)
-                    else:
+                    elif event:
                         job._emit("delta", event)
             except Exception as e:  # reported to the client as a 500; the worker keeps serving
                 job._emit("error", e)
