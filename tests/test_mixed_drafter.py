@@ -43,19 +43,23 @@ def paths(tree, upto=None):
 
 def reference_merge(base, chain, logq, budget):
     """Brute force: repeatedly add the best available candidate (the next base node or the next
-    chain token), a candidate's value being its parent's value times its own conditional q, where
-    a path both sources hold keeps the value of whichever added it first."""
+    chain token not yet in the tree), a candidate's value being its parent's value times its own
+    conditional q, where a path both sources hold keeps the value of whichever added it first."""
     value = {(): 0.0}
     order = []
     i, j = 1, 0
     base_paths = paths(base)
     while len(order) < budget and (i < len(base) or j < len(chain)):
+        while j < len(chain) and tuple(chain[:j + 1]) in value:  # the head took it already
+            j += 1
         hv = cv = -math.inf
         if i < len(base):
             bp = base_paths[i - 1]
             hv = value[bp[:-1]] + base.scores[i] - base.scores[base.parents[i]]
         if j < len(chain):
             cv = value[tuple(chain[:j])] + logq[j]
+        if hv == cv == -math.inf:
+            break
         if hv >= cv:
             path, v, i = base_paths[i - 1], hv, i + 1
         else:
@@ -73,8 +77,11 @@ def test_merge_matches_brute_force(seed):
     depth, vocab = rng.randint(1, 6), rng.randint(2, 8)
     logprobs = (torch.randn(depth, vocab) * rng.choice([0.5, 2.0, 5.0])).log_softmax(-1)
     width, budget = rng.randint(1, 4), rng.randint(0, 30)
-    chain = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
-    q = np.array([rng.choice([0.0, 0.05, 0.3, 0.7, 0.99, 1.0]) for _ in chain])
+    # chains that often follow the head's own tokens (where the two coincide), or random ones
+    top = logprobs.topk(min(width, vocab), dim=-1).indices.tolist()
+    chain = [rng.choice(top[d]) if d < depth and rng.random() < 0.7 else rng.randrange(vocab)
+             for d in range(rng.randint(0, 8))]
+    q = np.array([rng.choice([0.0, 0.05, 0.3, 0.7, 0.99, 1.0, rng.random()]) for _ in chain])
     proposal = MixedProposal(FixedProposal(logprobs, 99, width), 99, chain, log_probs(q))
     tree = proposal.tree(budget)
     base = build_tree(logprobs, 99, budget, width)
@@ -83,8 +90,36 @@ def test_merge_matches_brute_force(seed):
     assert len(set(paths(tree))) == len(tree) - 1  # a token proposed twice is one node
     for size in range(1, len(tree) + 1):  # every prefix is a tree (what --budget auto verifies)
         assert all(tree.parents[n] < size for n in range(1, size))
+    for n in range(budget):  # ... and the tree of that budget (what one build at the largest prices)
+        small = proposal.tree(n)
+        assert (small.tokens, small.parents, small.scores) == (tree.tokens[:n + 1], tree.parents[:n + 1],
+                                                               tree.scores[:n + 1])
     if q.size and (q == 1.0).all() and budget >= len(chain):  # certain lookup tokens come first
         assert paths(tree)[:len(chain)] == [tuple(chain[:k + 1]) for k in range(len(chain))]
+
+
+def _rows(*rows):
+    """Per-depth log-probabilities over 6 tokens, from the first few tokens' probabilities."""
+    return torch.tensor([row + [0.001] * (6 - len(row)) for row in rows]).log()
+
+
+def test_a_chain_through_a_head_node_goes_on_at_that_nodes_value():
+    """The chain's first token is the head's best (q .9, the chain's own .2): the chain's next token
+    (q .8) is valued .9 x .8 and taken right after it, not once the head's nodes fell below .2."""
+    head = FixedProposal(_rows([0.9, 0.05], [0.6, 0.3]), 99, 2)
+    tree = MixedProposal(head, 99, [0, 5], log_probs([0.2, 0.8])).tree(5)
+    assert paths(tree) == [(0,), (0, 5), (0, 0), (0, 1), (1,)]
+    assert np.exp(tree.scores[1:]) == pytest.approx([0.9, 0.72, 0.54, 0.27, 0.05])
+
+
+def test_head_nodes_below_a_chain_token_keep_the_heads_order():
+    """The chain proposes the head's second token with q .9: that node is valued .9 and the chain's
+    next token .81, but the head's child of it (.9 x .5 = .45) stays behind the head's earlier nodes
+    (.3, .24) in the head's order, by design (docs/results.md, "How the lookup chain is merged")."""
+    head = FixedProposal(_rows([0.6, 0.35], [0.01, 0.02, 0.5, 0.4]), 99, 2)
+    tree = MixedProposal(head, 99, [1, 3], log_probs([0.9, 0.9])).tree(6)
+    assert paths(tree) == [(1,), (1, 3), (0,), (0, 2), (0, 3), (1, 2)]
+    assert np.exp(tree.scores[1:]) == pytest.approx([0.9, 0.81, 0.6, 0.3, 0.24, 0.45])
 
 
 def test_lookup_match_reports_the_match_length():
