@@ -11,9 +11,9 @@ head and budget is then replayed against those answers without running the targe
 
 Each line holds the chat messages of one prompt's turn exactly as `jetflow bench` asks it
 (`EvalPrompt.request`), the earlier answers turned into text by the decoder's own output stream
-(`OutputStream`, the text `jetflow bench` passes on to the next turn). Line i is the i-th prompt, so
-regenerated ids `<file>/<i>` map back to it. Completion-style sets (HumanEval) are refused: they are
-not chats.
+(`OutputStream`, the text `jetflow bench` passes on to the next turn). Line i is the i-th prompt;
+regenerated ids name a line's messages (`<file>/<digest>`), rebuilt here to map answers back.
+Completion-style sets (HumanEval) are refused: they are not chats.
 """
 
 from __future__ import annotations
@@ -23,24 +23,28 @@ import json
 import sys
 from pathlib import Path
 
+from jetflow.data.prompts import content_digest, record_messages
 from jetflow.data.shards import list_shards, read_shard
 from jetflow.decoding.output import OutputStream
 from jetflow.eval.datasets import load_eval_set
 
 
-def earlier_answers(dirs: list[Path], count: int, tokenizer, stop_ids) -> list[list[str]]:
-    """Per prompt, the text of its answers in ``dirs`` (one regeneration per earlier turn)."""
-    answers: list[list[str]] = [[] for _ in range(count)]
+def earlier_answers(dirs: list[Path], prompts, tokenizer, stop_ids) -> list[list[str]]:
+    """Per prompt, the text of its answers in ``dirs`` (one regeneration per earlier turn). A
+    regenerated answer's id names its prompt's messages (``<file>/<digest>``), which are rebuilt here
+    from the answers of the turns before; data regenerated before that holds ``<file>/<line>``."""
+    answers: list[list[str]] = [[] for _ in prompts]
     for turn, d in enumerate(dirs, 1):
-        by_line = {}
-        for path in list_shards(d):
-            for s in read_shard(path):
-                by_line[int(s.prompt_id.rsplit("/", 1)[1])] = s.token_ids[s.prompt_len:]
-        missing = [i + 1 for i in range(count) if i + 1 not in by_line]
+        by_key = {s.prompt_id.rsplit("/", 1)[1]: s.token_ids[s.prompt_len:]
+                  for path in list_shards(d) for s in read_shard(path)}
+        keys = [content_digest(record_messages({"messages": p.request(earlier)}))
+                for p, earlier in zip(prompts, answers)]
+        keys = [k if k in by_key else str(line) for line, k in enumerate(keys, 1)]
+        missing = [line for line, k in enumerate(keys, 1) if k not in by_key]
         if missing:
             sys.exit(f"--answers {d} lacks turn-{turn} answers for prompts {missing[:5]} (line numbers)")
-        for i in range(count):
-            ids = by_line[i + 1]
+        for i, key in enumerate(keys):
+            ids = by_key[key]
             stream = OutputStream(tokenizer, max_new_tokens=len(ids) + 1, stop_token_ids=stop_ids)
             stream.add_many(ids)
             answers[i].append(stream.text)
@@ -68,7 +72,7 @@ def main() -> None:
         from jetflow.models.loading import load_target
 
         target = load_target(args.target, backend="torch")
-        answers = earlier_answers(args.answers, len(prompts), target.tokenizer, target.stop_token_ids())
+        answers = earlier_answers(args.answers, prompts, target.tokenizer, target.stop_token_ids())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for prompt, earlier in zip(prompts, answers):

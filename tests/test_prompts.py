@@ -2,6 +2,7 @@ import importlib.util
 import io
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -332,3 +333,37 @@ def test_documents_from_the_first_part_of_sharegpt(monkeypatch):
     assert docs[1].messages == (("user", P.DOCUMENT_TASKS[1][1].format(text="z" * 800)),)
     assert {kind for kind, _ in P.DOCUMENT_TASKS} >= {"summarize", "translate", "proofread", "extract"}
     assert "sharegpt-multi" in P.SOURCES and "documents" in P.SOURCES
+
+
+def _eval_set_prompts_module():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "eval_set_prompts.py"
+    spec = importlib.util.spec_from_file_location("eval_set_prompts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_eval_set_prompts_maps_regenerated_answers_back_to_their_prompts(tmp_path, legacy):
+    """A later turn's prompt file takes each prompt's earlier answer by the id regenerate gave it: a
+    digest of the turn-1 line's messages (or, data regenerated before, the line number), not the
+    order the shards hold them in."""
+    from tiny import byte_tokenizer
+
+    from jetflow.data.shards import Sequence, write_shard
+    from jetflow.eval.datasets import EvalPrompt
+
+    module = _eval_set_prompts_module()
+    prompts = [EvalPrompt("set", f"set/{i}", (f"question {i}", f"follow-up {i}"), chat=True) for i in range(3)]
+    turn1 = tmp_path / "set-t1.jsonl"
+    turn1.write_text("".join(json.dumps({"messages": p.request([])}) + "\n" for p in prompts))
+    tok = byte_tokenizer()
+    answers = {p.line: tok.encode(f"answer {p.line}", add_special_tokens=False)
+               for p in load_jsonl(turn1)}
+    out = tmp_path / "answers"
+    out.mkdir()
+    sequences = [Sequence(p.legacy_id if legacy else p.id, [1, 2] + answers[p.line], 2)
+                 for p in reversed(load_jsonl(turn1))]  # stored in another order than the file's
+    write_shard(out / "shard-00000.npz", sequences, tok.vocab_size)
+    got = module.earlier_answers([out], prompts, tok, [tok.eos_token_id])
+    assert got == [[f"answer {line}"] for line in (1, 2, 3)]
