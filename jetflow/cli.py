@@ -535,6 +535,7 @@ def cmd_cache_teacher(args) -> int:
 
     _writable_dir(str(args.out), "--out")
     layers = _layer_ids(args.layers, "--layers") if args.layers else None  # (checked before the model loads)
+    layers = _stored_layer_order(args.out, layers)
     target = _load_jetflow_target(args, training=True)
     if layers:
         try:
@@ -756,6 +757,18 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise JetFlowError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def _stored_layer_order(cache_dir: Path, layers: list[int] | None) -> list[int] | None:
+    """``layers`` in the order a cache in ``cache_dir`` already holds them, where it holds the same
+    ones: a cache begun before layer ids were sorted keeps its order, so it can be completed."""
+    from jetflow.training.teacher_cache import TEACHER_CACHE
+    from jetflow.utils.fs import read_manifest
+
+    stored = (read_manifest(cache_dir, TEACHER_CACHE) or {}).get("tapped_layers")
+    if layers and isinstance(stored, list) and sorted(stored) == layers:
+        return list(stored)
+    return layers
+
+
 def _layer_ids(text: str, flag: str) -> list[int]:
     """Target layer ids (0-based) to tap, sorted: the order of a head's features is not the user's
     concern, and so the same layers given in any order make the same cache and head. Whether the
@@ -848,7 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-layers", default=None, metavar="IDS",
                    help="target layers a new head reads, 0-based, e.g. 1,8,14,20,27 (as `cache-teacher --layers`; "
                         "default: the --teacher-cache's layers, else the draft head's default choice); a head from "
-                        "--init-from or --resume keeps its own")
+                        "--init-from or --resume keeps its own, and other layers are refused")
     t.add_argument("--lr", type=_number, default=3e-4)
     t.add_argument("--epochs", type=_positive_int, default=1)
     t.add_argument("--batch", type=_positive_int, default=4, help="sequences per step and process")

@@ -684,6 +684,25 @@ def test_train_target_layers_are_checked_and_conflicts_refused_before_the_model_
     assert sorted(p.name for p in (run / "drafter").iterdir()) == sorted(p.name for p in tiny_drafter.iterdir())
 
 
+
+def test_layers_of_a_cache_begun_unsorted_keep_its_order(tmp_path):
+    """A teacher cache written before layer ids were sorted holds its features in the order it was
+    asked for: the same layers given sorted agree with it, and a new head, or the completed cache,
+    takes the cache's order (its features' order), not the sorted one."""
+    from jetflow.cli import _stored_layer_order
+    from jetflow.training.run import head_target_layers
+    from jetflow.training.teacher_cache import FORMAT
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"format": FORMAT, "tapped_layers": [2, 0, 1]}))
+    assert head_target_layers(tmp_path / "new", target_layers=[0, 1, 2], teacher_cache=cache)[1] == [2, 0, 1]
+    assert head_target_layers(tmp_path / "new", teacher_cache=cache)[1] == [2, 0, 1]
+    assert _stored_layer_order(cache, [0, 1, 2]) == [2, 0, 1]
+    assert _stored_layer_order(cache, [0, 1]) == [0, 1]  # other layers: refused later as other settings
+    assert _stored_layer_order(tmp_path / "empty", [0, 1, 2]) == [0, 1, 2]
+
+
 def test_data_stats_reports_long_answers_and_names_a_bad_directory(tmp_path, capsys):
     from jetflow.data.shards import Sequence, write_shard
 

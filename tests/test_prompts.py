@@ -367,3 +367,12 @@ def test_eval_set_prompts_maps_regenerated_answers_back_to_their_prompts(tmp_pat
     write_shard(out / "shard-00000.npz", sequences, tok.vocab_size)
     got = module.earlier_answers([out], prompts, tok, [tok.eos_token_id])
     assert got == [[f"answer {line}"] for line in (1, 2, 3)]
+
+
+def test_a_prompt_with_a_lone_surrogate_gets_an_id(tmp_path):
+    """A cut-off emoji (a lone surrogate, which json.loads accepts) in one line of scraped chat names
+    its prompt like any other text instead of failing the whole file."""
+    path = tmp_path / "scraped.jsonl"
+    path.write_text('{"prompt": "hi \\ud83d"}\n{"prompt": "hi"}\n')
+    first, second = load_jsonl(path)
+    assert first.id.startswith("scraped.jsonl/") and first.id != second.id

@@ -345,7 +345,9 @@ def record_messages(record: dict) -> tuple[tuple[str, str], ...]:
 
 def content_digest(messages: tuple[tuple[str, str], ...]) -> str:
     """Names a chat by its whitespace-collapsed messages (what ``dedupe`` calls the same prompt)."""
-    return hashlib.sha256(json.dumps(_collapsed(messages), ensure_ascii=False).encode()).hexdigest()[:16]
+    # (surrogatepass: a lone surrogate, e.g. a cut emoji in scraped chat, still names its prompt)
+    text = json.dumps(_collapsed(messages), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def load_jsonl(path: str | Path) -> list[Prompt]:

@@ -12,7 +12,8 @@ where q_i is the head's own probability of node i's token at its depth and a(d, 
 rate at which the target agreed with such a node when its parent was accepted (counts per depth and
 probability bin over a window of the latest ``ACCEPTANCE_WINDOW`` trials, starting from a(d, q) = q;
 one table for greedy requests and one for sampled ones, whose nodes are accepted with probability
-min(1, p/q) rather than when they are the target's argmax). The cost of a round is the machine's
+min(1, p/q) rather than when they are the target's argmax; the running rate of drafted rounds
+that decides whether to draft at all, ``draft_rate``, is shared by both). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
 (one for rounds that verify nodes, one for plain rounds).
 

@@ -94,7 +94,7 @@ def head_target_layers(out: str | Path, *, target_layers: list[int] | None = Non
         if saved is not None:
             sources.append((f"the run in {out} (--resume)", "reads", read_config(saved).target_layer_ids))
     if init_from:
-        sources.append((f"--init-from {init_from}", "reads", read_config(init_from).target_layer_ids))
+        sources.append((f"--init-from {init_from}", "reads", read_config(Path(init_from).expanduser()).target_layer_ids))
     if target_layers:
         sources.append(("--target-layers", "asks for", target_layers))
     if teacher_cache:
@@ -104,10 +104,13 @@ def head_target_layers(out: str | Path, *, target_layers: list[int] | None = Non
         return None
     first, verb, layers = sources[0]
     for other, other_verb, theirs in sources[1:]:
-        if list(theirs) != list(layers):
+        if sorted(theirs) != sorted(layers):
             raise JetFlowError(f"{first} {verb} target layers {list(layers)} but {other} {other_verb} "
                                f"{list(theirs)}: {_layers_hint(first, other, layers)}")
-    return first, list(layers)
+    # The same layers in another order agree: --target-layers is sorted for the user, while a trained
+    # head's features, or a cache's, are in the order it holds them (from before ids were sorted).
+    fixed = next((layers for name, _, layers in sources if name != "--target-layers"), layers)
+    return first, list(fixed)
 
 
 def _layers_hint(first: str, other: str, layers: list[int]) -> str:
