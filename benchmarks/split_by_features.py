@@ -2,7 +2,9 @@
 features: seconds, prefill seconds and tokens/s of `llama-ar`, `ar` and `auto` on the same requests.
 Featureless requests decode plainly (or with lookup chains), so they compare the loops alone; for
 them also the lookup-chain rounds: how many, their mean nodes and the tokens each emitted (a chain
-of n nodes pays where it emits more than c(n + 1) / c(1) tokens).
+of n nodes pays where it emits more than c(n + 1) / c(1) tokens), and what they cost: `auto`'s verify
+time less its plain rounds at `ar`'s time per token (decode only, so a little over a plain verify),
+per chain round, in those steps. This estimate rests on `auto`'s plain rounds costing `ar`'s steps.
 
     python benchmarks/split_by_features.py docs/results/headline_llamacpp_v13
 """
@@ -36,6 +38,11 @@ def main() -> int:
                 sums["chains"] += chains
                 sums["chain_nodes"] += record["mean_tree_size"] * len(rounds)
                 sums["chain_tokens"] += sum(rounds) - (len(rounds) - chains)
+                sums["plain_rounds"] += len(rounds) - chains
+                sums["auto_verify_s"] += (record.get("time_split") or {}).get("verify", 0.0)
+                ar = runs["ar"][key]
+                sums["ar_decode_s"] += ar["seconds"] - (ar.get("prefill_seconds") or 0.0)
+                sums["ar_tokens"] += ar["new_tokens"]
             sums[features, "requests"] += 1
             for name, run in runs.items():
                 sums[features, name, "s"] += run[key]["seconds"]
@@ -52,6 +59,10 @@ def main() -> int:
             print(f"  lookup-chain rounds without features: {int(sums['chains'])}, "
                   f"{sums['chain_nodes'] / sums['chains']:.2f} nodes and {sums['chain_tokens'] / sums['chains']:.2f} "
                   f"tokens each")
+            step = sums["ar_decode_s"] / sums["ar_tokens"]
+            chain_s = (sums["auto_verify_s"] - sums["plain_rounds"] * step) / sums["chains"]
+            print(f"  their verify, estimated: {chain_s * 1e3:.1f} ms each, {chain_s / step:.2f} of `ar`'s "
+                  f"{step * 1e3:.2f} ms per token")
     return 0
 
 

@@ -908,6 +908,74 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
     assert timed >= 3 and any(n is not None and d is None for n, d, *_ in rounds)
 
 
+def _rebuilding_target(clock, rebuild_s: float):
+    """A fake runtime whose decode of k tokens takes k ms, plus ``rebuild_s`` when k differs from the
+    decode before (llama.cpp builds its graph again for another shape)."""
+    from types import SimpleNamespace
+
+    class RebuildingTarget:
+        vocab_size = 100
+        past_len, max_context = 0, 10_000
+
+        def __init__(self):
+            self.last = None
+
+        def prefill(self, ids, return_hidden=False):
+            self.last = len(ids)
+            return SimpleNamespace(hidden=torch.zeros(len(ids), 4))
+
+        def verify(self, tokens, parents, return_hidden=False):
+            clock.now += len(tokens) * 1e-3 + (rebuild_s if len(tokens) != self.last else 0.0)
+            self.last = len(tokens)
+            return SimpleNamespace(hidden=torch.zeros(len(tokens), 4))
+
+        def commit(self, nodes):
+            self.past_len += len(nodes)
+
+        def set_tapped_layers(self, layers):
+            pass
+
+        def reset(self):
+            pass
+
+    return RebuildingTarget()
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_the_cost_curve_charges_a_verify_both_graph_rebuilds(monkeypatch, drafted):
+    """Between one-token steps a verify of n + 1 tokens costs its own n + 1 ms, a rebuild on the way
+    in and another on the way back to steps: n + 1 + 2r steps of 1 ms. Paired with the step timed
+    right after the previous verify, the curve read (n + 1 + r) / (1 + r) (1.83 steps for 2 tokens
+    at r = 0.2 ms, against 2.4)."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(costs_mod.time, "perf_counter", lambda: clock.now)
+    import jetflow.utils.timing as timing
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock.now)
+    target, drafter = _rebuilding_target(clock, 0.2e-3), None
+    if drafted:
+        class Drafter:  # a draft that takes no time, with a head config to tap
+            head = SimpleNamespace(config=SimpleNamespace(target_layer_ids=[0]))
+
+            def reset(self):
+                pass
+
+            def extend(self, hidden):
+                pass
+
+            def propose(self, anchor, position, room, width, max_nodes=None):
+                return SimpleNamespace(tree=lambda n: None)
+
+        drafter = Drafter()
+        monkeypatch.setattr(costs_mod, "_scratch_twin", lambda d, t: d)
+    costs = costs_mod.measure_costs(target, [1, 2, 4, 8], drafter, context=8, reps=3)
+    assert costs["c1_ms"] == pytest.approx(1.0)
+    for n in (1, 2, 4, 8):
+        assert costs["verify_ratio"][n] == pytest.approx(n + 1 + 2 * 0.2)
+
+
 def test_the_cost_curve_keeps_its_ratios_when_the_machine_slows_down_midway(monkeypatch):
     """A verify of k tokens that takes k one-token steps measures k steps although the machine runs at
     half speed from the third size on: each size is timed against a one-token step of its own reps
