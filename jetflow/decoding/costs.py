@@ -42,9 +42,8 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
     cannot fork, EAGLE's head drafter, is timed itself and left reset to the measurement's context;
     the loop resets it before a request); lookup counts are always the twin's own.
 
-    Each rep of a size also times a one-token step right before its verify and one right after it
-    (what the verify costs a run of steps, graph rebuilds included: :func:`_round_ratio`), and
-    ``verify_ms[n]`` is the median of those reps' own ratios times ``c1_ms``: a machine whose speed drifts while the
+    Each rep of a size also times a one-token step right before its verify, and ``verify_ms[n]`` is
+    the median of those reps' own ratios times ``c1_ms``: a machine whose speed drifts while the
     sizes are measured one after another (seen here: a third within minutes) moves a size's verify
     and its paired step alike, where a ratio to the one step timed at the start moved with it."""
     g = torch.Generator().manual_seed(0)
@@ -75,41 +74,27 @@ def measure_costs(target: TargetBackend, budgets: list[int], drafter: Drafter | 
             "verify_ratio": {n: v / c1 for n, v in verify_ms.items()}, "draft_ms": draft_ms}
 
 
-def _round_ratio(step, fn, between=None) -> tuple[float, object]:
-    """What ``fn()`` costs a run of one-token ``step()``s, in steps, and what it returned: its own time
-    after a step, plus what the step after it takes over the step before it, which follows a step
-    (the call before this one must end with one). llama.cpp builds its graph again whenever a decode's
-    shape differs from the one before, so a chain between one-token steps pays a rebuild on the way
-    in and another on the way back (about 0.6 ms each on a 9 ms step here). A ratio to a step timed
-    right after ``fn`` counted one of them in the step and left the other out: 3-9-token verifies
-    came out 5-17% cheaper than they cost. ``between()``: untimed, after ``fn`` (a commit)."""
+def _after_step(step, fn) -> tuple[float, object]:
+    """fn()'s time over the time of a ``step()`` run right before it, and what fn returned."""
     t0 = time.perf_counter()
     step()
     t1 = time.perf_counter()
     out = fn()
-    t2 = time.perf_counter()
-    if between is not None:
-        between()
-    t3 = time.perf_counter()
-    step()
-    back = time.perf_counter() - t3
-    return (t2 - t1 + back - (t1 - t0)) / (t1 - t0), out
+    return (time.perf_counter() - t1) / (t1 - t0), out
 
 
 def _paired_ratio(fn, step, reps: int) -> float:
-    """Median over ``reps`` of :func:`_round_ratio` (after one warm-up of each)."""
+    """Median over ``reps`` of :func:`_after_step` (after one warm-up of each)."""
     step()
     fn()
-    step()
-    return statistics.median(_round_ratio(step, fn)[0] for _ in range(reps))
+    return statistics.median(_after_step(step, fn)[0] for _ in range(reps))
 
 
 def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[int], tokens: list[int],
                           parents: list[int], n: int, width: int, reps: int, g: torch.Generator) -> tuple[float, float]:
-    """The median of what a verify of the tree (tokens, parents) costs a run of one-token steps
-    (:func:`_round_ratio`: the verify replaces the step before it, at the same position), and the
-    median ms of a draft of n nodes, each draft as
-    the loop runs it: right after the target's forwards (whose weights then fill the CPU's caches), projecting the
+    """The median ratio of a verify of the tree (tokens, parents) to a one-token step timed right
+    before it at the same position (the verify replaces it), and the median ms of a draft of n nodes, each draft as
+    the loop runs it: right after a verify (whose weights then fill the CPU's caches), projecting the
     features of the tokens that verify committed (its root and first node: node 1 always hangs under
     the root), from a fresh anchor (the round's bonus token). Timed back to back on a warm head with
     nothing to project, a draft took about 0.6 of its time in decoding (llama.cpp, SmolLM2's head, one
@@ -120,10 +105,10 @@ def _verify_then_draft_ms(target: TargetBackend, drafter: Drafter, prefix: list[
     drafter.extend(pre.hidden)
     ratios, draft_t = [], []
     for rep in range(reps + 1):  # the first, a warm-up, also projects the prefix
-        ratio, out = _round_ratio(lambda: target.verify(tokens[:1], [-1], return_hidden=True),
-                                  lambda: target.verify(tokens, parents, return_hidden=True),
-                                  between=lambda: target.commit([0, 1]))
-        ratios.append(ratio)  # (the step back is left pending: the next rep's step replaces it)
+        ratio, out = _after_step(lambda: target.verify(tokens[:1], [-1], return_hidden=True),
+                                 lambda: target.verify(tokens, parents, return_hidden=True))
+        ratios.append(ratio)
+        target.commit([0, 1])
         drafter.extend(out.hidden[:2])
         anchor = int(torch.randint(0, target.vocab_size, (1,), generator=g))
         t0 = time.perf_counter()
