@@ -530,6 +530,7 @@ def _fractions(text: str | None) -> list[float]:
 
 
 def cmd_cache_teacher(args) -> int:
+    from jetflow.training.run import tap_layers
     from jetflow.training.teacher_cache import build_teacher_cache
     from jetflow.training.trainer import data_label, load_sequences
 
@@ -538,10 +539,7 @@ def cmd_cache_teacher(args) -> int:
     layers = _stored_layer_order(args.out, layers)
     target = _load_jetflow_target(args, training=True)
     if layers:
-        try:
-            target.set_tapped_layers(layers)
-        except ValueError as e:
-            raise JetFlowError(f"--layers: {e}") from None
+        tap_layers(target, "--layers", layers)
     sequences = load_sequences(args.data, target, args.max_sequences)
     manifest = build_teacher_cache(target, sequences, args.out, top_k=args.top_k,
                                    sequences_per_part=args.part_size, batch_tokens=args.batch_tokens,
