@@ -178,6 +178,7 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
     from jetflow.decoding.load_budget import LoadBudget
 
     monkeypatch.setattr(AdaptiveBudget, "_observe_verify", lambda *a: None)  # price by this curve only
+    monkeypatch.setattr(AdaptiveBudget, "_observe_step", lambda *a: None)  # (the way back included)
     monkeypatch.setattr(AdaptiveBudget, "_observe_draft", lambda *a: None)
     monkeypatch.setattr(AdaptiveBudget, "_observe_overhead", lambda *a, **k: None)  # (a tiny model's Python)
 
@@ -212,7 +213,7 @@ def test_a_lone_request_times_only_drafts_that_follow_a_drafted_round(target, mo
     load = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + n for n in sizes},
                                  "draft_ms": {n: 2.0 for n in sizes}}))
     pattern = itertools.cycle([True, True, True, False, True, False, True, True])
-    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
+    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None, greedy=None: next(pattern))
     seen, real = [], AdaptiveBudget.observe
 
     def observe(self, tree, path, other_ms=None, verify_ms=None, draft_ms=None, drafted_nodes=None, drafted=True,

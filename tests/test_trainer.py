@@ -442,6 +442,28 @@ def test_held_out_agreement_of_a_reduced_vocab_head_is_scored_over_the_full_voca
             assert 0 < sum(agreement) / 3 < 1
 
 
+@pytest.mark.parametrize("head", ["block", "eagle3"])
+def test_held_out_sft_agreement_counts_slots_whose_data_token_the_reduced_vocab_lacks(target, tmp_path, head):
+    """With --loss sft a slot whose data token is outside the draft vocabulary has no label to learn,
+    but the head still drafts there: its agreement counts (the head can never propose that token),
+    so the held-out agreement is the one the KL losses score, over the same slots."""
+    from jetflow.training.teacher import OnlineTeacher
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [Sequence(f"random/{i}", torch.randint(0, 256, (30,), generator=g).tolist(), 6) for i in range(10)]
+    trainer = Trainer(target, seqs, tmp_path / "run", config(head=head, block_size=4, draft_vocab=1, loss="sft",
+                                                            eval_sequences=2))
+    full = OnlineTeacher(target, None)
+    top1 = [t for i in trainer.eval_set
+            for t in full.fetch(i, seqs[i], torch.arange(6, 29))[1].argmax(-1).tolist()]
+    trainer.head.set_draft_vocab(torch.tensor([max(set(top1), key=top1.count)]))  # random data: mostly other tokens
+    trainer._bind_vocab()
+    sft = trainer.evaluate()["top1_agreement"]
+    trainer.config.loss = "fkl"
+    assert len(sft) == 3 and 0 < sum(sft) / 3 < 1
+    assert sft == trainer.evaluate()["top1_agreement"]
+
+
 def test_packing_changes_no_training_step(target, data, tmp_path):
     """--pack-sequences only groups the work: a step with the micro-batch in one forward leaves the
     head where one forward per sequence does; on the CPU the default is one per forward."""

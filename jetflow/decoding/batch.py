@@ -170,7 +170,8 @@ class BatchDecoder:
                                                          self.batch.max_context - self.batch.length(r.id) - 1)
             if self.load_budget.single.plain_step_due():
                 chain, plain_due = None, True
-        drafting = bool(auto) and not plain_due and self.load_budget.should_draft(len(self.active), chain)
+        drafting = bool(auto) and not plain_due and self.load_budget.should_draft(len(self.active), chain,
+                                                                                  self.active[0].params.greedy)
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:

@@ -13,9 +13,12 @@ rate at which the target agreed with such a node when its parent was accepted (c
 probability bin over a window of the latest ``ACCEPTANCE_WINDOW`` trials, starting from a(d, q) = q;
 one table for greedy requests and one for sampled ones, whose nodes are accepted with probability
 min(1, p/q) rather than when they are the target's argmax; the running rate of drafted rounds
-that decides whether to draft at all, ``draft_rate``, is shared by both). The cost of a round is the machine's
+that decides whether to draft at all is kept per mode too, ``draft_rate`` and
+``sampled_draft_rate``, so one mode's rounds do not decide for the other's). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
-(one for rounds that verify nodes, one for plain rounds).
+(one for rounds that verify nodes, one for plain rounds); a round that verifies nodes also pays
+what the plain step after it costs beyond a steady one (on llama.cpp, the graph rebuilt for the
+one-token shape), timed in pairs of steps after lookup chains (``switch_cost``).
 
 When even the best tree is expected to yield fewer tokens per millisecond than a plain one-token step
 (low acceptance: text far from the drafter's training data, or a machine where verification is
@@ -133,9 +136,21 @@ class AdaptiveBudget:
         # the running ratio of their measured to cached time to it (see draft_cost).
         self._draft_scale, self._draft_count = 1.0, 0
         self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
+        # What the plain step right after a lookup chain costs beyond the plain step after it (running
+        # mean, ms): on llama.cpp a change of batch shape rebuilds the compute graph, and the cost
+        # curve and the verify's own timing see only the rebuild on the way into the chain, not the
+        # one on the way back (0.6-0.9 ms, 7-10% of a step on a 2-core CPU). Timed in pairs, so drift
+        # cancels, and only after chains: the step after a drafted tree may re-decode its accepted
+        # path (llamacpp_target.py, ``_redo``), a cost of its own. Charged to every round that
+        # verifies nodes; learned anew by each process, as the plain step's time is.
+        self.switch_ms, self._switches = 0.0, 0
+        self._after_chain_ms: float | None = None  # the step after a chain, awaiting its pair
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
-        self.draft_rate: float | None = None  # running estimate of a drafted round's tokens per ms
+        # Running estimates of a drafted round's tokens per ms, of greedy requests and of sampled ones
+        # (which accept fewer nodes): in a mix, one mode's rate would decide whether the other drafts.
+        self.draft_rate: float | None = None
+        self.sampled_draft_rate: float | None = None
         # Rounds where a paying lookup chain is on offer: draft (the head's tree with the chain merged
         # in) or verify the chain alone? What the head adds is measured exactly in drafted rounds:
         # greedy acceptance is deterministic, so the chain alone would have emitted its prefix that
@@ -157,6 +172,7 @@ class AdaptiveBudget:
         # Within a request (not kept between processes): a re-probe's draft is due at its first
         # chance; whether this request has drafted since it began.
         self._probe_due, self._drafted = False, False
+        self._greedy = True  # whether this request decodes greedily (told to collects_features)
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
@@ -165,7 +181,7 @@ class AdaptiveBudget:
     # in-round counters.
     _STATE = ("hits", "trials", "sampled_hits", "sampled_trials", "overhead_ms", "plain_overhead_ms",
               "chain_overhead_ms", "_rounds", "_tree_rounds", "_chain_rounds", "_plain_scale",
-              "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "head_gain", "_gains", "_recent_choice",
+              "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "sampled_draft_rate", "head_gain", "_gains", "_recent_choice",
               "_featureless", "_reprobe_doublings", "_reprobing", "_chosen")
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
 
@@ -188,6 +204,8 @@ class AdaptiveBudget:
         if "sampled_hits" not in state and "sampled_trials" not in state:  # saved with one table for both
             # modes, mostly greedy requests: it stays the greedy one, sampled requests start from the prior
             state = dict(zip(("sampled_hits", "sampled_trials"), self._prior_counts()), **state)
+        if "sampled_draft_rate" not in state:  # saved with one drafted-round rate for both modes: likewise
+            state = {**state, "sampled_draft_rate": None}
         try:
             values = {name: state[name] for name in self._STATE}
             chains = state["chain_explorer"]
@@ -223,7 +241,7 @@ class AdaptiveBudget:
         for name in ("overhead_ms", "plain_overhead_ms", "chain_overhead_ms"):
             if not _finite(values[name]) or values[name] < 0:
                 raise ValueError(f"{name}: expected milliseconds >= 0, got {values[name]!r}")
-        for name in ("draft_rate", "head_gain"):  # None until measured
+        for name in ("draft_rate", "sampled_draft_rate", "head_gain"):  # None until measured
             if values[name] is not None and not _finite(values[name]):
                 raise ValueError(f"{name}: expected a number or null, got {values[name]!r}")
         for name, value in (("_reprobing", values["_reprobing"]), ("_chosen", values["_chosen"]),
@@ -243,19 +261,22 @@ class AdaptiveBudget:
         self._chain_explorer.rates = rates
         self._chain_prices.clear()
 
-    def head_settled_losing(self) -> bool:
+    def head_settled_losing(self, greedy: bool | None = None) -> bool:
         """Whether drafting lost against plain steps until exploring reached its longest gap, and
-        the latest round with a paying lookup chain on offer (if any) preferred the chain alone."""
-        against_plain = (self._explore_gap >= self.max_explore_every and self.draft_rate is not None
-                         and self.draft_rate < self.plain_rate())
+        the latest round with a paying lookup chain on offer (if any) preferred the chain alone
+        (``greedy``: the mode whose drafted rate is compared; None: this request's)."""
+        rate = self._draft_rate(self._greedy if greedy is None else greedy)
+        against_plain = (self._explore_gap >= self.max_explore_every and rate is not None
+                         and rate < self.plain_rate())
         chains = self._chain_explorer
         return against_plain and (chains.decisions == 0 or chains.prefers(False))
 
-    def collects_features(self) -> bool:
-        """Once per request: whether its forwards return the target features the head reads. False
+    def collects_features(self, greedy: bool = True) -> bool:
+        """Once per request (``greedy``: whether it decodes greedily, which this request's rounds
+        then decide by): whether its forwards return the target features the head reads. False
         while the head has settled as losing, except for re-probes: every ``reprobe_every``-th
         request, the gap doubling after each re-probe that leaves the head losing."""
-        self._drafted, self._probe_due = False, False
+        self._drafted, self._probe_due, self._greedy = False, False, greedy
         if not self.head_settled_losing():
             self._featureless, self._reprobe_doublings, self._reprobing = 0, 0, False
             return True
@@ -311,11 +332,33 @@ class AdaptiveBudget:
         draft look cheap)."""
         return self._since_plain is None or self._since_plain >= self.max_explore_every
 
-    def observe_plain(self, verify_ms: float) -> None:
-        """``observe`` of a plain round (the root alone) whose only timed phase was its verify."""
+    def observe_plain(self, verify_ms: float, after_chain: bool = False) -> None:
+        """``observe`` of a plain round (the root alone) whose only timed phase was its verify;
+        ``after_chain``: the round before it verified a lookup chain alone."""
         self._observe_overhead(0.0, tree=False)
         self._since_plain = 0
-        self._observe_verify(0, verify_ms)
+        self._observe_step(verify_ms, after_chain)
+
+    def _observe_step(self, ms: float, after_chain: bool) -> None:
+        """A plain step's time: the machine's speed; and the step after a chain minus the next one
+        (a step after a step), what coming back from the chain's shape costs. A pair's difference is
+        clipped to a quarter of a step: one hiccup of the machine would move the mean for long."""
+        if after_chain:
+            self._after_chain_ms = ms
+            return
+        self._observe_verify(0, ms)
+        if self._after_chain_ms is not None:
+            bound = 0.25 * ms
+            self._switches += 1
+            sample = min(bound, max(-bound, self._after_chain_ms - ms))
+            self.switch_ms += (sample - self.switch_ms) / min(self._switches, 50)
+            self._after_chain_ms = None
+            self._chain_prices.clear()
+
+    def switch_cost(self) -> float:
+        """Milliseconds a round that verifies nodes costs its next plain step (never below 0: on a
+        backend without the rebuild, noise alone moves the mean)."""
+        return max(0.0, self.switch_ms)
 
     def _observe_overhead(self, ms: float, tree: bool, drafted: bool = True) -> None:
         self._rounds += 1
@@ -361,7 +404,7 @@ class AdaptiveBudget:
         acceptance, root first) with the most tokens per ms, if it beats a plain step."""
         expected, best = 1.0, None
         best_rate, (_, tree_scale) = self.plain_rate(), self.verify_scales()
-        curve, overhead = self._curve, self.chain_overhead_ms  # (verify_cost inlined: priced every round)
+        curve, overhead = self._curve, self.chain_overhead_ms + self.switch_cost()  # (verify_cost inlined: priced every round)
         for n in range(1, min(len(scores) - 1, self.max_budget) + 1):
             expected += math.exp(scores[n])  # a chain: node n is on the path with P = exp(score)
             cost = curve[n] * tree_scale + overhead
@@ -392,29 +435,31 @@ class AdaptiveBudget:
         n, expected, cost = best
         return ChainOffer(chain.tree(n), expected, cost)
 
-    def should_draft(self, chain: ChainOffer | None = None) -> bool:
+    def should_draft(self, chain: ChainOffer | None = None, greedy: bool | None = None) -> bool:
         """False when drafting is expected to be slower than a plain step, or than verifying the
-        paying lookup ``chain`` alone (see the module doc)."""
+        paying lookup ``chain`` alone (see the module doc); ``greedy``: whether the request decodes
+        greedily (None: the mode ``collects_features`` was told at the request's start)."""
         self._offer = None
         if self._probe_due:  # a re-probe: draft now rather than after the longest exploring gap
             self._probe_due, self._drafted, self._offer = False, True, chain
             return True
-        drafted = self._decide_draft(chain)
+        drafted = self._decide_draft(chain, self._draft_rate(self._greedy if greedy is None else greedy))
         self._drafted = self._drafted or drafted
         return drafted
 
-    def _decide_draft(self, chain: ChainOffer | None) -> bool:
+    def _decide_draft(self, chain: ChainOffer | None, draft_rate: float | None) -> bool:
+        """``draft_rate``: the drafted-round rate of the request's mode."""
         if chain is not None:
             if self.head_gain is None:  # the head's gain not measured yet: the model's estimate
-                prefer = self.draft_rate is None or self.draft_rate >= chain.rate
+                prefer = draft_rate is None or draft_rate >= chain.rate
             else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
                 nodes = len(chain.tree) - 1 + self._recent_choice
-                cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms
+                cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms + self.switch_cost()
                 prefer = (chain.expected + self.head_gain) / cost > chain.rate
             drafted = self._chain_explorer.decide(prefer)
             self._offer = chain if drafted else None
             return drafted
-        pays = self.draft_rate is None or self.draft_rate >= self.plain_rate()
+        pays = draft_rate is None or draft_rate >= self.plain_rate()
         if pays:
             self._plain_rounds, self._explore_gap = 0, self.explore_every
             return True
@@ -439,6 +484,10 @@ class AdaptiveBudget:
     def _counts(self, greedy: bool) -> tuple[list[list[float]], list[list[float]]]:
         """(hits, trials) of requests that decode greedily, or of sampled ones."""
         return (self.hits, self.trials) if greedy else (self.sampled_hits, self.sampled_trials)
+
+    def _draft_rate(self, greedy: bool) -> float | None:
+        """The drafted-round rate of requests that decode greedily, or of sampled ones."""
+        return self.draft_rate if greedy else self.sampled_draft_rate
 
     def acceptance(self, depth: int, q: float, greedy: bool = True) -> float:
         d, b = min(depth, self.max_depth), min(self.bins - 1, int(q * self.bins))
@@ -468,27 +517,33 @@ class AdaptiveBudget:
         # that draft (charged only its own size's, a small tree's round looked up to half a llama.cpp
         # step cheaper than it is, and drafting seemed to pay where it did not).
         draft = self.draft_cost(self.draft_nodes())
-        cost = [draft + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
+        switch = self.switch_cost()
+        cost = [draft + self.verify_cost(n) + (self.overhead_ms + switch if n else self.plain_overhead_ms)
                 for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         # The first choice sets it (its initial max_budget only lets the first tree be as big as it
         # may), later ones let it shrink slowly.
         self._recent_choice = best if not self._chosen else max(best, int(0.8 * self._recent_choice))
         self._chosen = True
-        rate = expected[best] / cost[best]
-        self.draft_rate = rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
+        rate, old = expected[best] / cost[best], self._draft_rate(greedy)
+        rate = rate if old is None else 0.7 * old + 0.3 * rate
+        if greedy:
+            self.draft_rate = rate
+        else:
+            self.sampled_draft_rate = rate
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
                 verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
-                drafted: bool = True, greedy: bool = True) -> None:
+                drafted: bool = True, greedy: bool = True, after_chain: bool = False) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too (in
         the counts of greedy requests, or of sampled ones when ``greedy`` is False);
         ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
         ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
         draft that projected only the previous round's features (not a prompt's, nor those of a run
         of plain rounds: exploring pays those, drafting every round would not); ``drafted``: False
-        for a round that verified a lookup chain alone."""
+        for a round that verified a lookup chain alone; ``after_chain``: the round before this one
+        did (a plain round's step then also pays the way back from the chain's shape)."""
         if draft_ms is not None:
             self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)
@@ -504,7 +559,11 @@ class AdaptiveBudget:
         if verify_ms is not None:
             plain = len(tree) == 1
             self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1
-            self._observe_verify(len(tree) - 1, verify_ms)
+            if plain:
+                self._observe_step(verify_ms, after_chain)
+            else:
+                self._after_chain_ms = None  # no step after a step to pair it with
+                self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
             followed = chain_followed(self._offer.tree.tokens[1:], tree, path)
             gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's

@@ -63,10 +63,12 @@ class LoadBudget:
             return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
-    def should_draft(self, batch: int, chain: ChainOffer | None = None) -> bool:
-        """``chain``: a lone request's paying lookup chain (see AdaptiveBudget.should_draft)."""
+    def should_draft(self, batch: int, chain: ChainOffer | None = None, greedy: bool = True) -> bool:
+        """``chain``: a lone request's paying lookup chain, ``greedy``: whether a lone request decodes
+        greedily (see AdaptiveBudget.should_draft). A batch's rate is that of its mix of modes (its
+        steps price each request by its own mode's counts), so it has one per batch-size bucket."""
         if batch == 1:
-            return self.single.should_draft(chain)
+            return self.single.should_draft(chain, greedy)
         b = self.bucket(batch)
         way = self._way(b)
         prefer = way.measured_preference()  # both ways measured at this batch size: they decide

@@ -45,7 +45,7 @@ def speculative_stream(
     # Without features (the head settled as losing, decoding/budget.py) no round may draft; a request
     # that collects them stops once it has drafted and the head is settled as losing. A drafter
     # without a head (prompt lookup) and a budget of 0 never read them.
-    features = adaptive.collects_features() if adaptive is not None else head is not None and budget != 0
+    features = adaptive.collects_features(params.greedy) if adaptive is not None else head is not None and budget != 0
     pre = target.prefill(prompt_ids, return_hidden=features)
     cached = target.reused_tokens
     drafter.reset()
@@ -58,6 +58,7 @@ def speculative_stream(
     plain_steps = (adaptive is not None or budget == 0) and params.greedy and not features
     dropped = False  # features stopped mid-request: the head drafted and settled as losing
     drafted_last = False  # the previous round drafted: this round's draft projects only its features
+    chain_last = False  # the previous round verified a lookup chain alone: a plain step changes shape back
     finished = output.add(root)
     while not finished:
         if (delta := output.drain()) or every_round:
@@ -80,10 +81,10 @@ def speculative_stream(
             t = time.perf_counter() - t
             stats.seconds["verify"] += t
             if adaptive is not None:
-                adaptive.observe_plain(t * 1e3)
+                adaptive.observe_plain(t * 1e3, after_chain=chain_last)
             stats.accept_lengths.append(1)
             stats.tree_sizes.append(0)
-            finished, drafted_last = output.add(root), False
+            finished, drafted_last, chain_last = output.add(root), False, False
             continue
         if tree is PLAIN:
             tree = DraftTree.root_only(root)
@@ -111,8 +112,9 @@ def speculative_stream(
             timed_draft = drafted and drafted_last
             adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
                              verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
-                             drafted_nodes=nodes if timed_draft else None, drafted=drafted, greedy=params.greedy)
-        drafted_last = drafted
+                             drafted_nodes=nodes if timed_draft else None, drafted=drafted, greedy=params.greedy,
+                             after_chain=chain_last)
+        drafted_last, chain_last = drafted, not drafted and len(tree) > 1
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)

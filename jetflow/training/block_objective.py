@@ -70,8 +70,10 @@ class _SequencePlan:
         self.blocks = make_blocks(tokens, anchors, c.block_size, head.config.mask_token_id, revealed,
                                   supervise_revealed=head.config.shift_tokens)
         self.labels = self._draft_labels(trainer, self.blocks)
-        usable = self.blocks.loss_mask & (self.labels >= 0) if c.loss == "sft" else self.blocks.loss_mask
-        self.sel = usable.nonzero().flatten()
+        # Every supervised slot, also (with sft) one whose data token the reduced vocabulary lacks:
+        # its loss weight is 0, but its agreement counts as with the KL losses (the head can never
+        # propose that token: a miss wherever it is the target's top-1).
+        self.sel = self.blocks.loss_mask.nonzero().flatten()
         self.dense = None
         if c.dense_depth1 > 0 and head.training:  # held-out evaluation keeps the plain objective
             if c.dense_depth1_anchors:
@@ -124,7 +126,10 @@ def block_batch_loss(trainer, items: list[tuple[int, torch.Generator]]) -> tuple
     depth = torch.cat([p.blocks.depth[p.sel] for p in plans]).to(device)
     main_teacher = teacher[main_rows]
     losses = slot_losses(logits, main_teacher, labels.clamp(min=0), c.loss, c.kl_temperature)
-    loss = segment_mean(losses, depth_weights(depth, c.gamma), segment, len(plans))
+    weights = depth_weights(depth, c.gamma)
+    if c.loss == "sft":  # no label to learn where the data token is outside the draft vocabulary
+        weights = weights * (labels >= 0)
+    loss = segment_mean(losses, weights, segment, len(plans))
     if plans[0].dense is not None:
         loss = loss + c.dense_depth1 * _dense_depth1_loss(trainer, plans, packed_features, lengths, context,
                                                            teacher, sizes)
