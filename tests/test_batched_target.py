@@ -178,7 +178,6 @@ def test_a_lone_request_takes_lookup_only_rounds_like_a_single_stream(target, mo
     from jetflow.decoding.load_budget import LoadBudget
 
     monkeypatch.setattr(AdaptiveBudget, "_observe_verify", lambda *a: None)  # price by this curve only
-    monkeypatch.setattr(AdaptiveBudget, "_observe_step", lambda *a: None)  # (the way back included)
     monkeypatch.setattr(AdaptiveBudget, "_observe_draft", lambda *a: None)
     monkeypatch.setattr(AdaptiveBudget, "_observe_overhead", lambda *a, **k: None)  # (a tiny model's Python)
 

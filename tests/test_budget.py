@@ -664,98 +664,19 @@ def test_observing_a_plain_round_alone_equals_observing_its_tree():
     curve = CostCurve({"c1_ms": 10.0, "verify_ms": {1: 14.0, 8: 30.0, 64: 90.0}, "draft_ms": {1: 3.0, 64: 9.0}})
     fast, full = AdaptiveBudget(curve), AdaptiveBudget(curve)
     rng = random.Random(0)
-    after_chain = False
     for r in range(300):
         if rng.random() < 0.8:
             ms = rng.uniform(8.0, 14.0)
-            fast.observe_plain(ms, after_chain=after_chain)
-            full.observe(DraftTree.root_only(5), [0], other_ms=0.0, verify_ms=ms, after_chain=after_chain)
-            after_chain = False
+            fast.observe_plain(ms)
+            full.observe(DraftTree.root_only(5), [0], other_ms=0.0, verify_ms=ms)
         else:
             tree = chain_tree([0.9, 0.5, 0.3][:rng.randint(1, 3)])
             path = list(range(rng.randint(1, len(tree))))
             other, verify = rng.uniform(0.1, 1.0), rng.uniform(12.0, 20.0)
             for budget in (fast, full):
-                budget.observe(tree, path, other_ms=other, verify_ms=verify, drafted=False, after_chain=after_chain)
-            after_chain = True
+                budget.observe(tree, path, other_ms=other, verify_ms=verify)
         assert _state(fast) == _state(full), r
         assert fast.plain_step_due() == full.plain_step_due()
-
-
-def test_a_round_that_verifies_nodes_is_charged_the_way_back_to_plain_steps():
-    """On llama.cpp the plain step after a lookup chain rebuilds the graph (0.6-0.9 ms): it is timed
-    against the step after it (so the machine's drift cancels), clipped (so one hiccup does not stay
-    in the mean), leaves the plain steps' scale as it was, and is charged to chains and trees, so a
-    chain that pays only against the step's steady time is not taken."""
-    ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=0.0))
-    offer = chain_tree([0.6])  # 1.6 tokens for 15 ms against 1 token for 10 ms: pays, by 7%
-    for _ in range(20):
-        ab.observe_plain(10.0)
-    assert ab.chain_offer(offer) is not None and ab.switch_cost() == 0.0
-    steady = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=0.0))  # the same, no chains
-    for _ in range(20):
-        steady.observe_plain(10.0)
-    for drift in range(10):  # a chain round, then a step 1.5 ms slower than the next (the machine drifting)
-        ab.observe(offer, [0, 1], other_ms=0.0, verify_ms=15.0, drafted=False)
-        ab.observe_plain(11.5 + drift / 10, after_chain=True)
-        for budget in (ab, steady):
-            budget.observe_plain(10.0 + drift / 10)
-            for _ in range(5):
-                budget.observe_plain(10.0)
-    assert ab.switch_cost() == pytest.approx(1.5) and ab.plain_rate() == steady.plain_rate()
-    assert ab.chain_offer(offer) is None  # 1.6 tokens for 16.5 ms lose to plain steps
-    t = hand_tree()
-    expected = ab.expected_tokens(t)
-    ab.choose(t)  # a drafted tree is charged the way back as well (drafts cost nothing here)
-    assert ab.draft_rate == pytest.approx(max(expected[n] / (ab.verify_cost(n) + 1.5) for n in (1, 2, 3)))
-    ab.observe(offer, [0], other_ms=0.0, verify_ms=15.0, drafted=False)
-    ab.observe_plain(60.0, after_chain=True)  # a hiccup: counted as a quarter of a step at most
-    ab.observe_plain(10.0)
-    assert ab.switch_ms == pytest.approx(1.5 + (2.5 - 1.5) / 11)
-    ab.observe(offer, [0], other_ms=0.0, verify_ms=15.0, drafted=False)
-    ab.observe_plain(20.0, after_chain=True)
-    ab.observe(offer, [0], other_ms=0.0, verify_ms=15.0, drafted=False)  # no step after it: no pair
-    ab.observe_plain(10.0)
-    assert ab._switches == 11
-    torch_like = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0))
-    for ms in (9.5, 10.0, 9.8):  # no rebuild: noise around the steady step charges nothing
-        torch_like.observe_plain(ms, after_chain=True)
-        torch_like.observe_plain(10.0)
-    assert torch_like.switch_ms < 0 and torch_like.switch_cost() == 0.0
-
-
-def test_the_loop_tells_the_budget_which_plain_steps_follow_a_lookup_chain(tiny_dir, tmp_path, monkeypatch):
-    """``after_chain`` is True exactly for the round after one that verified a lookup chain alone,
-    on the fast plain path and the full one (not after a drafted tree, whose next step may re-decode
-    its path on llama.cpp)."""
-    target = TargetModel.load(str(tiny_dir))
-    torch.manual_seed(0)
-    head = DraftHead(DraftHeadConfig.for_target(target, block_size=6))
-    jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
-    # verifies priced cheap and fixed, so lookup chains pay whenever one matches
-    jf._adaptive = AdaptiveBudget(CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + 0.1 * n for n in (1, 4, 16, 64)},
-                                             "draft_ms": {n: 1.0 for n in (1, 4, 16, 64)}}))
-    for name in ("_observe_verify", "_observe_draft", "_observe_overhead"):
-        monkeypatch.setattr(AdaptiveBudget, name, lambda *a, **k: None)
-    pattern = itertools.cycle([True, False, False, True, True, False, False, False])
-    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None, greedy=None: next(pattern))
-    monkeypatch.setattr(AdaptiveBudget, "plain_step_due", lambda self: False)
-    rounds = []  # (kind: plain / lookup / drafted, after_chain) per round
-    real_observe, real_plain = AdaptiveBudget.observe, AdaptiveBudget.observe_plain
-
-    def observe(self, tree, path, *a, drafted=True, after_chain=False, **k):
-        rounds.append(("plain" if len(tree) == 1 else "drafted" if drafted else "lookup", after_chain))
-        return real_observe(self, tree, path, *a, drafted=drafted, after_chain=after_chain, **k)
-
-    monkeypatch.setattr(AdaptiveBudget, "observe", observe)
-    monkeypatch.setattr(AdaptiveBudget, "observe_plain", lambda self, ms, after_chain=False: (
-        rounds.append(("plain", after_chain)), real_plain(self, ms, after_chain))[1])
-    prompt = [11, 12, 13, 14] * 5  # repeats: lookup chains to offer
-    out = jf.generate(prompt, max_new_tokens=40)
-    assert out.token_ids == jetflow.generate(target, prompt, max_new_tokens=40).token_ids
-    kinds = [kind for kind, _ in rounds]
-    assert {"plain", "lookup", "drafted"} <= set(kinds)
-    assert [after for _, after in rounds] == [False] + [kind == "lookup" for kind in kinds[:-1]]
 
 
 def chain_tree(rates):

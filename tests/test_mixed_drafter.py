@@ -300,7 +300,6 @@ def test_auto_takes_lookup_only_rounds_when_the_head_is_dear_and_stays_lossless(
     """A head forward priced far above a verify: after its first draft, rounds verify the lookup
     chain alone (no head forward) whenever one matches; outputs stay the target's own."""
     monkeypatch.setattr(AdaptiveBudget, "_observe_verify", lambda *a: None)  # price by this curve only
-    monkeypatch.setattr(AdaptiveBudget, "_observe_step", lambda *a: None)  # (the way back included)
     monkeypatch.setattr(AdaptiveBudget, "_observe_draft", lambda *a: None)
     monkeypatch.setattr(AdaptiveBudget, "_observe_overhead", lambda *a, **k: None)  # (a tiny model's Python)
     torch.manual_seed(0)

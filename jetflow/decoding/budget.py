@@ -16,9 +16,7 @@ min(1, p/q) rather than when they are the target's argmax; the running rate of d
 that decides whether to draft at all is kept per mode too, ``draft_rate`` and
 ``sampled_draft_rate``, so one mode's rounds do not decide for the other's). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
-(one for rounds that verify nodes, one for plain rounds); a round that verifies nodes also pays
-what the plain step after it costs beyond a steady one (on llama.cpp, the graph rebuilt for the
-one-token shape), timed in pairs of steps after lookup chains (``switch_cost``).
+(one for rounds that verify nodes, one for plain rounds).
 
 When even the best tree is expected to yield fewer tokens per millisecond than a plain one-token step
 (low acceptance: text far from the drafter's training data, or a machine where verification is
@@ -136,15 +134,6 @@ class AdaptiveBudget:
         # the running ratio of their measured to cached time to it (see draft_cost).
         self._draft_scale, self._draft_count = 1.0, 0
         self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
-        # What the plain step right after a lookup chain costs beyond the plain step after it (running
-        # mean, ms): on llama.cpp a change of batch shape rebuilds the compute graph, and the cost
-        # curve and the verify's own timing see only the rebuild on the way into the chain, not the
-        # one on the way back (0.6-0.9 ms, 7-10% of a step on a 2-core CPU). Timed in pairs, so drift
-        # cancels, and only after chains: the step after a drafted tree may re-decode its accepted
-        # path (llamacpp_target.py, ``_redo``), a cost of its own. Charged to every round that
-        # verifies nodes; learned anew by each process, as the plain step's time is.
-        self.switch_ms, self._switches = 0.0, 0
-        self._after_chain_ms: float | None = None  # the step after a chain, awaiting its pair
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self._explore_gap = explore_every
         # Running estimates of a drafted round's tokens per ms, of greedy requests and of sampled ones
@@ -332,33 +321,11 @@ class AdaptiveBudget:
         draft look cheap)."""
         return self._since_plain is None or self._since_plain >= self.max_explore_every
 
-    def observe_plain(self, verify_ms: float, after_chain: bool = False) -> None:
-        """``observe`` of a plain round (the root alone) whose only timed phase was its verify;
-        ``after_chain``: the round before it verified a lookup chain alone."""
+    def observe_plain(self, verify_ms: float) -> None:
+        """``observe`` of a plain round (the root alone) whose only timed phase was its verify."""
         self._observe_overhead(0.0, tree=False)
         self._since_plain = 0
-        self._observe_step(verify_ms, after_chain)
-
-    def _observe_step(self, ms: float, after_chain: bool) -> None:
-        """A plain step's time: the machine's speed; and the step after a chain minus the next one
-        (a step after a step), what coming back from the chain's shape costs. A pair's difference is
-        clipped to a quarter of a step: one hiccup of the machine would move the mean for long."""
-        if after_chain:
-            self._after_chain_ms = ms
-            return
-        self._observe_verify(0, ms)
-        if self._after_chain_ms is not None:
-            bound = 0.25 * ms
-            self._switches += 1
-            sample = min(bound, max(-bound, self._after_chain_ms - ms))
-            self.switch_ms += (sample - self.switch_ms) / min(self._switches, 50)
-            self._after_chain_ms = None
-            self._chain_prices.clear()
-
-    def switch_cost(self) -> float:
-        """Milliseconds a round that verifies nodes costs its next plain step (never below 0: on a
-        backend without the rebuild, noise alone moves the mean)."""
-        return max(0.0, self.switch_ms)
+        self._observe_verify(0, verify_ms)
 
     def _observe_overhead(self, ms: float, tree: bool, drafted: bool = True) -> None:
         self._rounds += 1
@@ -404,7 +371,7 @@ class AdaptiveBudget:
         acceptance, root first) with the most tokens per ms, if it beats a plain step."""
         expected, best = 1.0, None
         best_rate, (_, tree_scale) = self.plain_rate(), self.verify_scales()
-        curve, overhead = self._curve, self.chain_overhead_ms + self.switch_cost()  # (verify_cost inlined: priced every round)
+        curve, overhead = self._curve, self.chain_overhead_ms  # (verify_cost inlined: priced every round)
         for n in range(1, min(len(scores) - 1, self.max_budget) + 1):
             expected += math.exp(scores[n])  # a chain: node n is on the path with P = exp(score)
             cost = curve[n] * tree_scale + overhead
@@ -454,7 +421,7 @@ class AdaptiveBudget:
                 prefer = draft_rate is None or draft_rate >= chain.rate
             else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
                 nodes = len(chain.tree) - 1 + self._recent_choice
-                cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms + self.switch_cost()
+                cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms
                 prefer = (chain.expected + self.head_gain) / cost > chain.rate
             drafted = self._chain_explorer.decide(prefer)
             self._offer = chain if drafted else None
@@ -517,8 +484,7 @@ class AdaptiveBudget:
         # that draft (charged only its own size's, a small tree's round looked up to half a llama.cpp
         # step cheaper than it is, and drafting seemed to pay where it did not).
         draft = self.draft_cost(self.draft_nodes())
-        switch = self.switch_cost()
-        cost = [draft + self.verify_cost(n) + (self.overhead_ms + switch if n else self.plain_overhead_ms)
+        cost = [draft + self.verify_cost(n) + (self.overhead_ms if n else self.plain_overhead_ms)
                 for n in range(top + 1)]
         best = max(range(self.min_budget, top + 1), key=lambda n: expected[n] / cost[n])
         # The first choice sets it (its initial max_budget only lets the first tree be as big as it
@@ -535,15 +501,14 @@ class AdaptiveBudget:
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
                 verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
-                drafted: bool = True, greedy: bool = True, after_chain: bool = False) -> None:
+                drafted: bool = True, greedy: bool = True) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too (in
         the counts of greedy requests, or of sampled ones when ``greedy`` is False);
         ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
         ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
         draft that projected only the previous round's features (not a prompt's, nor those of a run
         of plain rounds: exploring pays those, drafting every round would not); ``drafted``: False
-        for a round that verified a lookup chain alone; ``after_chain``: the round before this one
-        did (a plain round's step then also pays the way back from the chain's shape)."""
+        for a round that verified a lookup chain alone."""
         if draft_ms is not None:
             self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)
@@ -559,11 +524,7 @@ class AdaptiveBudget:
         if verify_ms is not None:
             plain = len(tree) == 1
             self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1
-            if plain:
-                self._observe_step(verify_ms, after_chain)
-            else:
-                self._after_chain_ms = None  # no step after a step to pair it with
-                self._observe_verify(len(tree) - 1, verify_ms)
+            self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
             followed = chain_followed(self._offer.tree.tokens[1:], tree, path)
             gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's

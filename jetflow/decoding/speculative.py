@@ -58,7 +58,6 @@ def speculative_stream(
     plain_steps = (adaptive is not None or budget == 0) and params.greedy and not features
     dropped = False  # features stopped mid-request: the head drafted and settled as losing
     drafted_last = False  # the previous round drafted: this round's draft projects only its features
-    chain_last = False  # the previous round verified a lookup chain alone: a plain step changes shape back
     finished = output.add(root)
     while not finished:
         if (delta := output.drain()) or every_round:
@@ -81,10 +80,10 @@ def speculative_stream(
             t = time.perf_counter() - t
             stats.seconds["verify"] += t
             if adaptive is not None:
-                adaptive.observe_plain(t * 1e3, after_chain=chain_last)
+                adaptive.observe_plain(t * 1e3)
             stats.accept_lengths.append(1)
             stats.tree_sizes.append(0)
-            finished, drafted_last, chain_last = output.add(root), False, False
+            finished, drafted_last = output.add(root), False
             continue
         if tree is PLAIN:
             tree = DraftTree.root_only(root)
@@ -112,9 +111,8 @@ def speculative_stream(
             timed_draft = drafted and drafted_last
             adaptive.observe(tree, path, other_ms=spent["tree"] - build_ms + spent["accept"] + spent["commit"],
                              verify_ms=spent["verify"], draft_ms=spent["draft"] + build_ms if timed_draft else None,
-                             drafted_nodes=nodes if timed_draft else None, drafted=drafted, greedy=params.greedy,
-                             after_chain=chain_last)
-        drafted_last, chain_last = drafted, not drafted and len(tree) > 1
+                             drafted_nodes=nodes if timed_draft else None, drafted=drafted, greedy=params.greedy)
+        drafted_last = drafted
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         stats.accept_lengths.append(len(emitted))
         stats.tree_sizes.append(len(tree) - 1)
