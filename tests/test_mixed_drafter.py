@@ -233,6 +233,35 @@ def test_request_calibration_shrinks_a_requests_counts_towards_the_pooled_rates(
         RequestCalibration(pooled, strength=0)
 
 
+def test_a_rows_rates_and_price_key_change_only_with_its_own_counts():
+    """Counting one row's chains leaves another row's cached rates and price key as they were (they
+    are priced every round of `auto`), and every row's rates stay those of a fresh calibration with
+    the same counts."""
+    rng = random.Random(2)
+    pooled = LookupCalibration(rows=4, max_depth=6, prior=2.0)
+    cal = RequestCalibration(pooled, strength=4.0)
+    for _ in range(40):
+        verified = rng.randint(1, 6)
+        cal.observe(rng.randint(1, 3), verified, rng.randint(0, verified))
+    keys = {row: cal.row_version(row) for row in (1, 2, 3)}
+    rates = {row: cal.rates(row, 6) for row in (1, 2, 3)}
+    cal.observe(2, 4, 1)
+    pooled.observe(3, 2, 2)  # another request's count (a batch's fork): in the pooled counts only
+    assert cal.row_version(1) == keys[1] and cal.row_version(2) != keys[2] and cal.row_version(3) != keys[3]
+    assert cal.rates(1, 6) is not None and cal._rates[1][0] == keys[1]  # row 1 served from its cache
+    fresh_pooled = LookupCalibration(rows=4, max_depth=6, prior=2.0)
+    fresh_pooled.load_counts(pooled.counts())
+    fresh = RequestCalibration(fresh_pooled, strength=4.0)
+    fresh.own.load_counts(cal.own.counts())
+    for row in (1, 2, 3):
+        np.testing.assert_array_equal(cal.rates(row, 6), fresh.rates(row, 6))
+    np.testing.assert_array_equal(cal.rates(1, 6), rates[1])
+    assert not np.array_equal(cal.rates(2, 6), rates[2])
+    version = cal.row_version(1)
+    pooled.load_counts(pooled.counts())  # counts replaced: every row may have changed
+    assert cal.row_version(1) != version
+
+
 def test_each_request_prices_chains_from_its_own_counts():
     """MixedDrafter: a new request (reset) starts from the pooled counts alone, and its price key
     changes; a fork (a batch's request) shares the pooled counts and keeps its own; request_prior=None

@@ -109,6 +109,9 @@ class LookupCalibration(_DepthRates):
         self.trials = np.zeros((rows, max_depth + 1))
         self._rates: dict[int, tuple] = {}  # row -> (rates, logs, point estimates, trials)
         self.version = 0  # counts observe() calls: rates() may differ once it changes
+        # per row: a row's rates change only with its own counts, so a price cached on the row's
+        # version outlives the counting of other rows' chains (priced every round of `auto`)
+        self._row_versions = [0] * rows
 
     def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
         """(rates, their logs) at every depth."""
@@ -133,6 +136,10 @@ class LookupCalibration(_DepthRates):
             cached = self._rates[row] = (out, log_probs(out), points, ns)
         return cached
 
+    def row_version(self, row: int) -> int:
+        """Changes whenever row ``row``'s rates may."""
+        return self._row_versions[row]
+
     def counts(self) -> dict:
         """The counts, as JSON (a resumed replay restores them with :meth:`load_counts`)."""
         return {"hits": self.hits.tolist(), "trials": self.trials.tolist()}
@@ -144,11 +151,13 @@ class LookupCalibration(_DepthRates):
         self.hits, self.trials = hits, trials
         self._rates.clear()
         self.version += 1
+        self._row_versions = [v + 1 for v in self._row_versions]
 
     def observe(self, row: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
         self._rates.pop(row, None)
         self.version += 1
+        self._row_versions[row] += 1
         for d in range(1, min(verified, accepted + 1) + 1):
             self.trials[row, d] += 1
             self.hits[row, d] += d <= accepted
@@ -179,8 +188,12 @@ class RequestCalibration(_DepthRates):
 
     @property
     def version(self) -> tuple[int, int, int]:
-        """Changes whenever :meth:`rates` may (what a price is cached on)."""
+        """Changes whenever :meth:`rates` of any row may."""
         return self._requests, self.pooled.version, self.own.version
+
+    def row_version(self, row: int) -> tuple[int, int, int]:
+        """Changes whenever row ``row``'s rates may (what a chain's price is cached on)."""
+        return self._requests, self.pooled.row_version(row), self.own.row_version(row)
 
     def start_request(self) -> None:
         """Forget the own counts: a new request begins."""
@@ -194,7 +207,7 @@ class RequestCalibration(_DepthRates):
         self.own.observe(row, verified, accepted)
 
     def _depth_rates(self, row: int) -> tuple[list[float], list[float]]:
-        version, cached = self.version, self._rates.get(row)
+        version, cached = self.row_version(row), self._rates.get(row)
         if cached is None or cached[0] != version:
             k, (_, _, pooled, pooled_n) = self.strength, self.pooled._estimates(row)
             own = zip(pooled, pooled_n, self.own.hits[row, 1:].tolist(), self.own.trials[row, 1:].tolist())
@@ -374,7 +387,7 @@ class MixedDrafter:
     def _proposal(self, anchor: int, primary, row: int, chain: list[int]) -> MixedProposal:
         cal = self.rates  # a chain's rates depend on its row and length, not its tokens
         return MixedProposal(primary, int(anchor), chain, cal.log_rates(row, len(chain)),
-                             scores_key=(id(cal), cal.version, row, len(chain)))
+                             scores_key=(id(cal), cal.row_version(row), row, len(chain)))
 
     def _lookup(self, anchor: int, room: int) -> tuple[int, list[int]]:
         """This round's lookup match (calibration row, chain), with the bookkeeping of offered chains."""
