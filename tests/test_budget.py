@@ -236,10 +236,12 @@ def test_the_decoding_loops_decide_to_draft_by_the_requests_mode(tiny_dir, tmp_p
     decoder = BatchDecoder(target, head, lookup=False, load_budget=load)
     for ab in (jf._adaptive, load.single):
         ab.draft_rate, ab.sampled_draft_rate = 1e3, 1e-6
-        ab._explore_gap = ab.max_explore_every  # no exploring draft within these short requests
-    sampled = jf.generate("hello", max_new_tokens=12, temperature=0.9, seed=1).stats["round_kinds"]
-    greedy = jf.generate("hello", max_new_tokens=12).stats["round_kinds"]
-    assert sampled.get("drafted", 0) == 0 and greedy.get("drafted", 0) > 0
+        # no exploring draft within these short requests, and not settled (so both collect features)
+        ab.max_explore_every, ab._explore_gap = 128, 64
+    sampled = jf.generate("hello", max_new_tokens=12, temperature=0.9, seed=1).stats
+    greedy = jf.generate("hello", max_new_tokens=12).stats
+    assert sampled["features"] and greedy["features"]  # both could draft: their own rates decided
+    assert sampled["round_kinds"].get("drafted", 0) == 0 and greedy["round_kinds"].get("drafted", 0) > 0
     for temperature, drafts in ((0.9, False), (0.0, True)):
         request = BatchRequest(*prepare_request(target, "hello", max_new_tokens=12, temperature=temperature, seed=1),
                                budget=None, width=3)
@@ -525,6 +527,33 @@ def test_a_plain_step_is_timed_first_and_whenever_none_was_for_a_while():
     assert budget.plain_step_due()
     budget.observe(DraftTree.root_only(1), [0], other_ms=0.1, verify_ms=9.0)
     assert not budget.plain_step_due()
+
+
+def test_plain_steps_timed_slow_for_a_while_do_not_keep_trees_looking_cheap():
+    """A few seconds of load slow the plain steps; rounds that explore then time trees at their usual
+    cost, cheap next to the slow steps, so nearly every round verifies a chain. The plain step due
+    every max_explore_every rounds stands for all the rounds since the last, so the scale recovers
+    within a few of them (at the usual weight of 1/20 it took thousands of rounds; seen: 18 requests
+    of GSM8K on llama.cpp at 0.89x of plain decoding)."""
+    ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=0.0), max_explore_every=64)
+    offer = chain_tree([0.3])  # 1.3 tokens for 15 ms: loses to a 10 ms step, pays against a 25 ms one
+    for _ in range(40):
+        ab.observe_plain(10.0)
+    assert ab.chain_offer(offer) is None
+    for _ in range(30):  # load: plain steps at 25 ms
+        ab.observe_plain(25.0)
+    for _ in range(20):  # the load is gone: rounds that explore verify chains at their usual cost
+        ab.observe(offer, [0], other_ms=0.0, verify_ms=15.0, drafted=False)
+    assert ab.chain_offer(offer) is not None
+    rounds = 0
+    while ab.chain_offer(offer) is not None:  # the loop verifies the chain unless a plain step is due
+        if ab.plain_step_due():
+            ab.observe_plain(10.5)  # (after a chain: llama.cpp rebuilds its graph for one token)
+        else:
+            ab.observe(offer, [0], other_ms=0.0, verify_ms=15.0, drafted=False)
+        rounds += 1
+        assert rounds < 20 * 64, "still verifying chains that lose"
+    assert rounds < 6 * 64
 
 
 def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():
@@ -923,7 +952,7 @@ def test_the_loop_times_only_drafts_that_follow_a_drafted_round(tiny_dir, tmp_pa
     monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: real_measure(*a, **dict(k, reps=1)))
     jf = jetflow.JetFlow(target, head, budget="auto", cost_cache=tmp_path)
     pattern = itertools.cycle([True, True, True, False, True, False, True, True])
-    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None: next(pattern))
+    monkeypatch.setattr(AdaptiveBudget, "should_draft", lambda self, chain=None, greedy=None: next(pattern))
     events = []
     real_propose = type(jf.drafter).propose
 

@@ -204,9 +204,9 @@ def test_request_calibration_shrinks_a_requests_counts_towards_the_pooled_rates(
     for _ in range(60):  # an earlier request
         verified = rng.randint(1, 6)
         cal.observe(rng.randint(1, 2), verified, rng.randint(0, verified))
-    before = cal.version
+    before = cal.row_version(2)
     cal.start_request()
-    assert cal.version != before and cal.own.trials.sum() == 0
+    assert cal.row_version(2) != before and cal.own.trials.sum() == 0
     np.testing.assert_allclose(cal.rates(2, 6), pooled.rates(2, 6), rtol=1e-12)
     own_hits, own_trials = np.zeros((3, 7)), np.zeros((3, 7))
     for _ in range(25):  # this request: row 2's chains seldom followed
@@ -245,10 +245,12 @@ def test_a_rows_rates_and_price_key_change_only_with_its_own_counts():
         cal.observe(rng.randint(1, 3), verified, rng.randint(0, verified))
     keys = {row: cal.row_version(row) for row in (1, 2, 3)}
     rates = {row: cal.rates(row, 6) for row in (1, 2, 3)}
+    cached = cal._rates[1]
     cal.observe(2, 4, 1)
     pooled.observe(3, 2, 2)  # another request's count (a batch's fork): in the pooled counts only
     assert cal.row_version(1) == keys[1] and cal.row_version(2) != keys[2] and cal.row_version(3) != keys[3]
-    assert cal.rates(1, 6) is not None and cal._rates[1][0] == keys[1]  # row 1 served from its cache
+    cal.rates(1, 6)
+    assert cal._rates[1] is cached  # row 1 served from its cache, not computed again
     fresh_pooled = LookupCalibration(rows=4, max_depth=6, prior=2.0)
     fresh_pooled.load_counts(pooled.counts())
     fresh = RequestCalibration(fresh_pooled, strength=4.0)

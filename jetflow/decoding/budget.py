@@ -66,6 +66,9 @@ from jetflow.tree.build import DraftTree
 # about +-0.02 (standard error at most 0.5/sqrt(500)). A cell below the window is not scaled, so
 # the prior's pseudo-trials keep their full weight until evidence outweighs them.
 ACCEPTANCE_WINDOW = 500
+# The least weight in the plain steps' running scale of a plain step that was due (the first in
+# ``max_explore_every`` rounds): it stands for all the rounds since the last one (see plain_step_due).
+DUE_STEP_WEIGHT = 0.5
 
 
 def _finite(value) -> bool:
@@ -250,11 +253,11 @@ class AdaptiveBudget:
         self._chain_explorer.rates = rates
         self._chain_prices.clear()
 
-    def head_settled_losing(self, greedy: bool | None = None) -> bool:
+    def head_settled_losing(self) -> bool:
         """Whether drafting lost against plain steps until exploring reached its longest gap, and
         the latest round with a paying lookup chain on offer (if any) preferred the chain alone
-        (``greedy``: the mode whose drafted rate is compared; None: this request's)."""
-        rate = self._draft_rate(self._greedy if greedy is None else greedy)
+        (the drafted rate of the mode the request told ``collects_features``)."""
+        rate = self._draft_rate(self._greedy)
         against_plain = (self._explore_gap >= self.max_explore_every and rate is not None
                          and rate < self.plain_rate())
         chains = self._chain_explorer
@@ -318,14 +321,23 @@ class AdaptiveBudget:
         plain steps' measured time (trees by a ratio to it), so a decoder whose rounds all draft or
         verify lookup chains would otherwise never correct a cached curve measured on a busy
         machine (seen: a one-token step cached at 73 ms that takes 13, which made every chain and
-        draft look cheap)."""
+        draft look cheap). Such a step, the only one in a long while, weighs at least
+        ``DUE_STEP_WEIGHT`` in the running scale: at the usual 1/20, plain steps timed slow during a
+        few seconds of load kept drafts and chains looking cheap for 18 requests (seen: GSM8K on
+        llama.cpp verifying a tree or a chain in all but one round a request, 0.89x of plain
+        llama.cpp), no other plain step coming to correct them."""
         return self._since_plain is None or self._since_plain >= self.max_explore_every
 
     def observe_plain(self, verify_ms: float) -> None:
         """``observe`` of a plain round (the root alone) whose only timed phase was its verify."""
         self._observe_overhead(0.0, tree=False)
+        self._observe_step(verify_ms)
+
+    def _observe_step(self, ms: float) -> None:
+        """A plain step's time: the machine's speed (see ``plain_step_due`` for a due one's weight)."""
+        least = DUE_STEP_WEIGHT if self.plain_step_due() else None
         self._since_plain = 0
-        self._observe_verify(0, verify_ms)
+        self._observe_verify(0, ms, least)
 
     def _observe_overhead(self, ms: float, tree: bool, drafted: bool = True) -> None:
         self._rounds += 1
@@ -339,12 +351,13 @@ class AdaptiveBudget:
             plain = self._rounds - self._tree_rounds - self._chain_rounds
             self.plain_overhead_ms += (ms - self.plain_overhead_ms) / min(plain, 100)
 
-    def _observe_verify(self, nodes: int, ms: float) -> None:
+    def _observe_verify(self, nodes: int, ms: float, least_weight: float | None = None) -> None:
         k = int(nodes > 0)
-        if k or self._scale_count[0] % 16 == 0:  # tree costs moved, or 16 plain steps since the last
+        if k or self._scale_count[0] % 16 == 0 or least_weight:  # tree costs moved, 16 plain steps since the last, or a due one
             self._chain_prices.clear()
         self._scale_count[k] += 1
         ratio, weight = ms / self._curve[min(nodes, self.max_budget)], _weight(self._scale_count[k])
+        weight = max(weight, least_weight or 0.0)
         if k:  # mean, then running
             self._tree_rel += (ratio / self._plain_scale - self._tree_rel) * weight
         else:
@@ -522,9 +535,11 @@ class AdaptiveBudget:
         if other_ms is not None:
             self._observe_overhead(other_ms, tree=len(tree) > 1, drafted=drafted)
         if verify_ms is not None:
-            plain = len(tree) == 1
-            self._since_plain = 0 if plain else None if self._since_plain is None else self._since_plain + 1
-            self._observe_verify(len(tree) - 1, verify_ms)
+            if len(tree) == 1:
+                self._observe_step(verify_ms)
+            else:
+                self._since_plain = None if self._since_plain is None else self._since_plain + 1
+                self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
             followed = chain_followed(self._offer.tree.tokens[1:], tree, path)
             gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's

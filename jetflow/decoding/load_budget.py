@@ -63,7 +63,7 @@ class LoadBudget:
             return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
-    def should_draft(self, batch: int, chain: ChainOffer | None = None, greedy: bool = True) -> bool:
+    def should_draft(self, batch: int, chain: ChainOffer | None = None, greedy: bool | None = None) -> bool:
         """``chain``: a lone request's paying lookup chain, ``greedy``: whether a lone request decodes
         greedily (see AdaptiveBudget.should_draft). A batch's rate is that of its mix of modes (its
         steps price each request by its own mode's counts), so it has one per batch-size bucket."""

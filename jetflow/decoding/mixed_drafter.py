@@ -186,11 +186,6 @@ class RequestCalibration(_DepthRates):
         self._rates: dict[int, tuple[tuple, list[float], list[float]]] = {}  # row -> (version, rates, logs)
         self.start_request()
 
-    @property
-    def version(self) -> tuple[int, int, int]:
-        """Changes whenever :meth:`rates` of any row may."""
-        return self._requests, self.pooled.version, self.own.version
-
     def row_version(self, row: int) -> tuple[int, int, int]:
         """Changes whenever row ``row``'s rates may (what a chain's price is cached on)."""
         return self._requests, self.pooled.row_version(row), self.own.row_version(row)

@@ -73,7 +73,7 @@ def speculative_stream(
             tree = PLAIN
             stats.round_kinds["plain"] += 1
         elif adaptive is not None:
-            tree = _round_without_draft(adaptive, drafter, root, room, stats, may_draft=features)
+            tree = _round_without_draft(adaptive, drafter, root, room, stats, params.greedy, may_draft=features)
         if tree is PLAIN and plain_steps:  # no logits copied out, no tree bookkeeping
             t = time.perf_counter()
             root = target.greedy_step(root)
@@ -149,7 +149,7 @@ PLAIN = "plain"  # a round that verifies the root alone
 
 
 def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, room: int,
-                         stats: SpeculativeStats, may_draft: bool = True) -> DraftTree | str | None:
+                         stats: SpeculativeStats, greedy: bool, may_draft: bool = True) -> DraftTree | str | None:
     """The round's tree when a head forward is not expected to pay (or ``may_draft`` is False): the
     lookup chain alone (it costs no forward) when it beats a plain step, else ``PLAIN`` (the root
     alone); None when drafting pays or explores."""
@@ -157,7 +157,7 @@ def _round_without_draft(adaptive: AdaptiveBudget, drafter: Drafter, root: int, 
         chain = adaptive.lookup_chain(drafter, root, room)
     if adaptive.plain_step_due():  # re-times the step every other price is scaled by
         chain = None
-    elif may_draft and adaptive.should_draft(chain):
+    elif may_draft and adaptive.should_draft(chain, greedy):
         return None
     stats.round_kinds["plain" if chain is None else "lookup"] += 1
     return PLAIN if chain is None else chain.tree
