@@ -533,8 +533,8 @@ def test_plain_steps_timed_slow_for_a_while_do_not_keep_trees_looking_cheap():
     """A few seconds of load slow the plain steps; rounds that explore then time trees at their usual
     cost, cheap next to the slow steps, so nearly every round verifies a chain. The plain step due
     every max_explore_every rounds stands for all the rounds since the last, so the scale recovers
-    within a few of them (at the usual weight of 1/20 it took thousands of rounds; seen: 18 requests
-    of GSM8K on llama.cpp at 0.89x of plain decoding)."""
+    within a few of them (at the usual weight of 1/20 it took thousands of rounds; seen once on
+    llama.cpp: the rest of a GSM8K set verifying a tree or a chain in all but one round a request)."""
     ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=0.0), max_explore_every=64)
     offer = chain_tree([0.3])  # 1.3 tokens for 15 ms: loses to a 10 ms step, pays against a 25 ms one
     for _ in range(40):

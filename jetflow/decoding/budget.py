@@ -323,9 +323,9 @@ class AdaptiveBudget:
         machine (seen: a one-token step cached at 73 ms that takes 13, which made every chain and
         draft look cheap). Such a step, the only one in a long while, weighs at least
         ``DUE_STEP_WEIGHT`` in the running scale: at the usual 1/20, plain steps timed slow during a
-        few seconds of load kept drafts and chains looking cheap for 18 requests (seen: GSM8K on
-        llama.cpp verifying a tree or a chain in all but one round a request, 0.89x of plain
-        llama.cpp), no other plain step coming to correct them."""
+        few seconds of load kept drafts and chains looking cheap for the rest of a 20-request set
+        (seen once, in a llama.cpp headline run that was stopped: GSM8K verified a tree or a chain in
+        all but one round of every request), no other plain step coming to correct them."""
         return self._since_plain is None or self._since_plain >= self.max_explore_every
 
     def observe_plain(self, verify_ms: float) -> None:
