@@ -108,7 +108,6 @@ class LookupCalibration(_DepthRates):
         self.hits = np.zeros((rows, max_depth + 1))
         self.trials = np.zeros((rows, max_depth + 1))
         self._rates: dict[int, tuple] = {}  # row -> (rates, logs, point estimates, trials)
-        self.version = 0  # counts observe() calls: rates() may differ once it changes
         # per row: a row's rates change only with its own counts, so a price cached on the row's
         # version outlives the counting of other rows' chains (priced every round of `auto`)
         self._row_versions = [0] * rows
@@ -140,6 +139,11 @@ class LookupCalibration(_DepthRates):
         """Changes whenever row ``row``'s rates may."""
         return self._row_versions[row]
 
+    @property
+    def version(self) -> int:
+        """Changes whenever any row's rates may (every count grows it)."""
+        return sum(self._row_versions)
+
     def counts(self) -> dict:
         """The counts, as JSON (a resumed replay restores them with :meth:`load_counts`)."""
         return {"hits": self.hits.tolist(), "trials": self.trials.tolist()}
@@ -150,13 +154,11 @@ class LookupCalibration(_DepthRates):
             raise ValueError(f"lookup calibration counts of shape {hits.shape}, expected {self.hits.shape}")
         self.hits, self.trials = hits, trials
         self._rates.clear()
-        self.version += 1
         self._row_versions = [v + 1 for v in self._row_versions]
 
     def observe(self, row: int, verified: int, accepted: int) -> None:
         """``verified`` chain tokens were in the verified tree, the first ``accepted`` of them taken."""
         self._rates.pop(row, None)
-        self.version += 1
         self._row_versions[row] += 1
         for d in range(1, min(verified, accepted + 1) + 1):
             self.trials[row, d] += 1
