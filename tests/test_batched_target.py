@@ -145,10 +145,10 @@ def test_load_budget_shrinks_trees_as_the_batch_grows():
     assert caps[0] > 0 and caps == sorted(caps, reverse=True) and caps[0] > caps[-1]
     weak = build_tree(torch.full((15, 50), -50.0).log_softmax(-1), 1, 32, 3)  # uniform: nothing pays
     assert policy.choose([weak] * 8, draft_ms=0.0) == 0
-    assert not policy.should_draft(8) and not policy.should_draft(7)  # the next steps at this size stay plain ...
-    assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == 1  # ... but explore now and then,
+    assert not policy.should_draft([True] * 8) and not policy.should_draft([True] * 7)  # the next steps at this size stay plain ...
+    assert sum(policy.should_draft([True] * 8) for _ in range(policy.explore_every)) == 1  # ... but explore now and then,
     policy.choose([weak] * 8, draft_ms=0.0)  # and, while that finds nothing, less and less often
-    assert sum(policy.should_draft(6) for _ in range(2 * policy.explore_every - 1)) == 1
+    assert sum(policy.should_draft([True] * 6) for _ in range(2 * policy.explore_every - 1)) == 1
     assert [LoadBudget.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
 
 
@@ -359,7 +359,7 @@ def test_a_lone_request_gets_the_single_stream_budget():
         tree = build_tree(lp, 1, 256, 3)
         for _ in range(12):
             assert load.draft_nodes(1) == single.draft_nodes()
-            assert load.should_draft(1) == single.should_draft()
+            assert load.should_draft([True]) == single.should_draft()
             assert load.choose([tree], 0.0) == single.choose(tree)
             path = [0, tree.children[0][tree.tokens[1]]] if confidence > 1 else [0]
             load.observe(tree, path, 1.0)
@@ -380,17 +380,42 @@ def test_load_budget_trusts_measured_steps_over_the_cost_curve():
     lp = torch.full((15, 50), -9.0)
     lp[:, 0] = 0.0
     tree = build_tree(lp.log_softmax(-1), 1, 32, 3)
-    assert policy.choose([tree] * 8, draft_ms=1.0) > 0 and policy.should_draft(8)  # predicted: draft
-    policy.observe_step(8, drafted=True, tokens=10, ms=100.0)  # measured: 0.1 token/ms drafted ...
-    assert policy.should_draft(8)  # (plain steps not measured yet: the prediction still rules)
-    policy.observe_step(8, drafted=False, tokens=8, ms=20.0)  # ... 0.4 token/ms plain
-    choices = [policy.should_draft(8) for _ in range(4 * policy.explore_every)]
+    assert policy.choose([tree] * 8, draft_ms=1.0) > 0 and policy.should_draft([True] * 8)  # predicted: draft
+    policy.observe_step([True] * 8, drafted=True, tokens=10, ms=100.0)  # measured: 0.1 token/ms drafted ...
+    assert policy.should_draft([True] * 8)  # (plain steps not measured yet: the prediction still rules)
+    policy.observe_step([True] * 8, drafted=False, tokens=8, ms=20.0)  # ... 0.4 token/ms plain
+    choices = [policy.should_draft([True] * 8) for _ in range(4 * policy.explore_every)]
     assert choices.count(True) in (1, 2) and not choices[0]  # plain, exploring drafts now and then
     for _ in range(5):
-        policy.observe_step(8, drafted=True, tokens=40, ms=50.0)  # drafted steps now measure 0.8 token/ms
-    assert sum(policy.should_draft(8) for _ in range(policy.explore_every)) == policy.explore_every - 1
-    policy.observe_step(1, drafted=True, tokens=1, ms=1.0)  # a lone request is the single-stream policy's
-    assert 1 not in policy.ways
+        policy.observe_step([True] * 8, drafted=True, tokens=40, ms=50.0)  # drafted steps now measure 0.8 token/ms
+    assert sum(policy.should_draft([True] * 8) for _ in range(policy.explore_every)) == policy.explore_every - 1
+    policy.observe_step([True] * 1, drafted=True, tokens=1, ms=1.0)  # a lone request is the single-stream policy's
+    assert all(bucket > 1 for bucket, _ in policy.ways)
+
+
+def test_load_budget_remembers_drafting_per_mix_of_modes():
+    """Sampled requests accept fewer nodes: a batch of them that measured drafting as losing stays
+    plain, while a greedy batch of the same size, and a mixed one, still draft by their own."""
+    from jetflow.decoding.costs import CostCurve
+    from jetflow.decoding.load_budget import LoadBudget
+    from jetflow.tree.build import build_tree
+
+    ms = {n: 10.0 + 0.1 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    policy = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": ms, "draft_ms": {}}), max_budget=32)
+    lp = torch.full((15, 50), -9.0)
+    lp[:, 0] = 0.0
+    tree = build_tree(lp.log_softmax(-1), 1, 32, 3)
+    sampled, greedy, mixed = [False] * 4, [True] * 4, [True, False, False, True]
+    assert [LoadBudget.key(m) for m in (sampled, greedy, mixed)] == [(4, "sampled"), (4, "greedy"), (4, "mixed")]
+    for modes in (sampled, greedy):
+        assert policy.choose([tree] * 4, draft_ms=1.0, greedy=modes) > 0  # predicted: drafting pays
+    policy.observe_step(sampled, drafted=True, tokens=4, ms=100.0)  # measured for the sampled batch: it loses
+    policy.observe_step(sampled, drafted=False, tokens=4, ms=10.0)
+    assert not any(policy.should_draft(sampled) for _ in range(3))
+    assert all(policy.should_draft(greedy) for _ in range(3)) and policy.should_draft(mixed)
+    policy.observe_step(greedy, drafted=True, tokens=20, ms=20.0)  # the greedy batch measures drafting ahead
+    policy.observe_step(greedy, drafted=False, tokens=4, ms=10.0)
+    assert all(policy.should_draft(greedy) for _ in range(3)) and not policy.should_draft(sampled)
 
 
 QUESTIONS = ["What is the capital of France? Answer briefly.", "Name two prime numbers above ten.",

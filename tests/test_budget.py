@@ -201,27 +201,41 @@ def test_greedy_and_sampled_requests_decide_to_draft_by_their_own_drafted_rate()
     ab.choose(t)
     for _ in range(5):  # sampled rounds that lose do not drag the greedy rate below a plain step
         ab.choose(t, greedy=False)
-    assert ab.sampled_draft_rate < ab.plain_rate() < ab.draft_rate
+    assert ab.modes[False].draft_rate < ab.plain_rate() < ab.modes[True].draft_rate
     assert all(ab.should_draft() for _ in range(10))
     assert not any(ab.should_draft(greedy=False) for _ in range(3))  # (an exploring draft comes after 7)
     assert ab.collects_features(greedy=False) and not any(ab.should_draft() for _ in range(3))
     assert ab.collects_features() and all(ab.should_draft() for _ in range(5))
     for _ in range(5):  # nor do greedy rounds that pay lift the sampled rate above it
         ab.choose(t)
-    assert ab.sampled_draft_rate < ab.plain_rate() and not ab.should_draft(greedy=False)
+    assert ab.modes[False].draft_rate < ab.plain_rate() and not ab.should_draft(greedy=False)
     # the batched decoder's lone request decides by its mode too
     load = LoadBudget(curve(per_node_ms=2.0, draft_ms=0.0), max_budget=16)
-    load.single.draft_rate, load.single.sampled_draft_rate = ab.draft_rate, ab.sampled_draft_rate
-    assert load.should_draft(1) and not load.should_draft(1, greedy=False)
-    # saved states keep both rates; one saved with a single rate gives it to greedy requests
+    for greedy in (True, False):
+        load.single.modes[greedy].draft_rate = ab.modes[greedy].draft_rate
+    assert load.should_draft([True]) and not load.should_draft([False])
+    # saved states keep both modes' rates
     state = json.loads(json.dumps(ab.state()))
     fresh = AdaptiveBudget(curve(per_node_ms=2.0, draft_ms=0.0))
     fresh.load_state(state)
-    assert (fresh.draft_rate, fresh.sampled_draft_rate) == (ab.draft_rate, ab.sampled_draft_rate)
-    fresh.load_state({k: v for k, v in state.items() if k != "sampled_draft_rate"})
-    assert fresh.draft_rate == ab.draft_rate and fresh.sampled_draft_rate is None
-    with pytest.raises(ValueError, match="sampled_draft_rate"):
-        fresh.load_state({**state, "sampled_draft_rate": "x"})
+    assert (fresh.modes[True].draft_rate, fresh.modes[False].draft_rate) == (ab.modes[True].draft_rate,
+                                                                             ab.modes[False].draft_rate)
+    with pytest.raises(ValueError, match="modes.sampled.draft_rate"):
+        fresh.load_state({**state, "modes": {**state["modes"], "sampled": {**state["modes"]["sampled"], "draft_rate": "x"}}})
+    # a state saved when both modes shared one policy: it becomes the greedy mode's (with or without
+    # a sampled drafted-round rate of its own), and sampled requests start exploring afresh
+    greedy = state["modes"]["greedy"]
+    shared = {**{k: v for k, v in state.items() if k != "modes"}, "draft_rate": greedy["draft_rate"],
+              "head_gain": 1.5, "_gains": 3, "_explore_gap": 16, "_featureless": 2, "_reprobe_doublings": 1,
+              "_reprobing": True, "chain_explorer": greedy["chain_explorer"]}
+    for sampled_rate in (None, 0.25):
+        old = shared if sampled_rate is None else {**shared, "sampled_draft_rate": sampled_rate}
+        fresh.load_state(old)
+        g, sampled = fresh.modes[True], fresh.modes[False]
+        assert (g.draft_rate, g.head_gain, g.gains, g.explore_gap, g.featureless, g.reprobe_doublings,
+                g.reprobing) == (greedy["draft_rate"], 1.5, 3, 16, 2, 1, True)
+        assert sampled.draft_rate == sampled_rate and sampled.head_gain is None
+        assert sampled.explore_gap == fresh.explore_every and sampled.chain_explorer.decisions == 0
 
 
 def test_the_decoding_loops_decide_to_draft_by_the_requests_mode(tiny_dir, tmp_path):
@@ -235,9 +249,11 @@ def test_the_decoding_loops_decide_to_draft_by_the_requests_mode(tiny_dir, tmp_p
     load = LoadBudget(curve(per_node_ms=0.0, draft_ms=0.0), max_budget=16)
     decoder = BatchDecoder(target, head, lookup=False, load_budget=load)
     for ab in (jf._adaptive, load.single):
-        ab.draft_rate, ab.sampled_draft_rate = 1e3, 1e-6
+        ab.modes[True].draft_rate, ab.modes[False].draft_rate = 1e3, 1e-6
         # no exploring draft within these short requests, and not settled (so both collect features)
-        ab.max_explore_every, ab._explore_gap = 128, 64
+        ab.max_explore_every = 128
+        for mode in ab.modes.values():
+            mode.explore_gap = 64
     sampled = jf.generate("hello", max_new_tokens=12, temperature=0.9, seed=1).stats
     greedy = jf.generate("hello", max_new_tokens=12).stats
     assert sampled["features"] and greedy["features"]  # both could draft: their own rates decided
@@ -286,7 +302,7 @@ def test_a_round_is_charged_the_draft_it_ran_and_the_first_choice_sets_the_draft
     best = ab.choose(t)
     expected = ab.expected_tokens(t)
     rates = [expected[n] / (10.0 + ab.verify_cost(n)) for n in range(1, 4)]  # the draft of 256 nodes: 10 ms
-    assert best == 1 + rates.index(max(rates)) and ab.draft_rate == pytest.approx(max(rates))
+    assert best == 1 + rates.index(max(rates)) and ab.modes[True].draft_rate == pytest.approx(max(rates))
     assert best == 3 and expected[1] / (5.0 + 14.0) > max(rates)  # (priced at a one-node draft, 1 would win)
     assert ab._recent_choice == 3 and ab.draft_nodes() == 8  # not 0.8 * 256
     small = AdaptiveBudget(costs, max_budget=3)  # a first choice of the largest size is a choice too
@@ -323,7 +339,8 @@ def test_a_learned_state_round_trips_through_json_and_bad_ones_are_refused():
     before = fresh.state()
     other_shape = AdaptiveBudget(curve(), bins=5)
     bad = [{}, None, [], {**state, "hits": state["hits"][:3]}, {**state, "trials": [[0.0] * 10] * 33},
-           {**state, "chain_explorer": None}, {**state, "_scale_count": 3}, {**state, "_chosen": 1}]
+           {**state, "modes": None}, {**state, "modes": {"greedy": state["modes"]["greedy"]}},
+           {**state, "_scale_count": 3}, {**state, "_chosen": 1}]
     for broken in bad:
         with pytest.raises(ValueError):
             fresh.load_state(broken)
@@ -563,13 +580,13 @@ def test_plain_steps_when_drafting_does_not_pay_with_periodic_exploration():
     dear = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=4)
     assert dear.should_draft()  # no estimate yet: draft
     dear.choose(tree)
-    assert dear.draft_rate < dear.plain_rate()
+    assert dear.modes[True].draft_rate < dear.plain_rate()
     pattern = [dear.should_draft() for _ in range(12)]
     # plain steps, one exploring draft after 3, then (it still does not pay) after 7
     assert pattern == [False] * 3 + [True] + [False] * 7 + [True]
     cheap = AdaptiveBudget(curve(per_node_ms=0.0, base_ms=10.0, draft_ms=0.5))
     cheap.choose(build_tree(torch.zeros(15, 30).index_fill_(1, torch.tensor([0]), 5.0).log_softmax(-1), 5, 64, 7))
-    assert cheap.draft_rate > cheap.plain_rate() and all(cheap.should_draft() for _ in range(10))
+    assert cheap.modes[True].draft_rate > cheap.plain_rate() and all(cheap.should_draft() for _ in range(10))
 
 
 def settle_losing(ab: AdaptiveBudget) -> None:
@@ -577,7 +594,7 @@ def settle_losing(ab: AdaptiveBudget) -> None:
     lp = torch.full((15, 30), math.log(0.7 / 29))
     lp[:, 0] = math.log(0.3)
     ab.choose(build_tree(lp, 5, 64, 7))
-    while ab._explore_gap < ab.max_explore_every:
+    while ab.modes[True].explore_gap < ab.max_explore_every:
         if ab.should_draft():
             ab.choose(build_tree(lp, 5, 64, 7))
 
@@ -592,19 +609,19 @@ def test_a_head_settled_as_losing_skips_features_but_reprobes_at_doubling_gaps()
     assert [i + 1 for i, p in enumerate(pattern) if p] == [8, 24, 56, 120, 184]
     # a re-probe that finds the head paying starts over: features on, and the next settling
     # re-probes after 8 requests again
-    draft_rate = ab.draft_rate
-    ab.draft_rate = 10 * ab.plain_rate()
+    draft_rate = ab.modes[True].draft_rate
+    ab.modes[True].draft_rate = 10 * ab.plain_rate()
     assert not ab.head_settled_losing() and ab.collects_features()
-    ab.draft_rate = draft_rate
+    ab.modes[True].draft_rate = draft_rate
     assert ab.head_settled_losing() and [ab.collects_features() for _ in range(8)] == [False] * 7 + [True]
     # a paying lookup chain on offer: features stay on while drafting is preferred over the chain alone
     offered = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
     settle_losing(offered)
     offer = offered.chain_offer(chain_tree([0.95] * 4))
-    offered.head_gain = 50.0  # the head was measured adding many tokens beyond the chain
+    offered.modes[True].head_gain = 50.0  # the head was measured adding many tokens beyond the chain
     assert offered.should_draft(offer)
     assert not offered.head_settled_losing() and offered.collects_features()
-    offered.head_gain = 0.0  # ... or none: the chain alone is preferred, and the head has settled
+    offered.modes[True].head_gain = 0.0  # ... or none: the chain alone is preferred, and the head has settled
     assert not offered.should_draft(offer)
     assert offered.head_settled_losing() and not offered.collects_features()
     # a head that pays never goes featureless
@@ -627,15 +644,15 @@ def test_a_reprobe_drafts_at_once_and_stops_collecting_features_while_the_head_s
     # a re-probe whose draft finds the head paying keeps features and starts exploring over
     assert [ab.collects_features() for _ in range(6)] == [False] * 5 + [True]
     assert ab.should_draft()
-    ab.draft_rate = 10 * ab.plain_rate()
+    ab.modes[True].draft_rate = 10 * ab.plain_rate()
     assert not ab.head_settled_losing() and ab.keeps_features()
-    assert ab.should_draft() and ab._explore_gap == ab.explore_every
+    assert ab.should_draft() and ab.modes[True].explore_gap == ab.explore_every
     # a request that collects features because the head has not settled keeps them until it settles
     fresh = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8)
     assert fresh.collects_features() and fresh.keeps_features()
     fresh.should_draft()
     fresh.choose(build_tree(lp, 5, 64, 7))
-    while fresh._explore_gap < fresh.max_explore_every:
+    while fresh.modes[True].explore_gap < fresh.max_explore_every:
         assert fresh.keeps_features()
         if fresh.should_draft():
             fresh.choose(build_tree(lp, 5, 64, 7))
@@ -643,6 +660,34 @@ def test_a_reprobe_drafts_at_once_and_stops_collecting_features_while_the_head_s
     # a head that pays keeps them
     paying = drafting_head()
     assert paying.collects_features() and paying.should_draft() and paying.keeps_features()
+
+
+def test_each_mode_explores_settles_reprobes_and_measures_the_heads_gain_by_its_own_rounds():
+    """Greedy requests settling the head as losing leave sampled ones collecting features and
+    drafting; each mode's exploring gap, re-probe counters and measured head gain are its own."""
+    lp = torch.full((15, 30), math.log(0.7 / 29))
+    lp[:, 0] = math.log(0.3)
+    ab = AdaptiveBudget(curve(per_node_ms=5.0, base_ms=10.0, draft_ms=8.0), explore_every=2, max_explore_every=8,
+                        reprobe_every=3)
+    settle_losing(ab)  # greedy rounds only
+    greedy, sampled = ab.modes[True], ab.modes[False]
+    assert greedy.explore_gap == ab.max_explore_every and sampled.explore_gap == ab.explore_every
+    assert ab.head_settled_losing()
+    assert ab.collects_features(greedy=False) and not ab.head_settled_losing()  # the sampled mode has no evidence
+    assert all(ab.should_draft() for _ in range(3))  # ... so its requests draft
+    assert [ab.collects_features() for _ in range(3)] == [False, False, True]  # greedy: featureless, re-probe
+    assert greedy.featureless == 0 and greedy.reprobing and sampled.featureless == 0 and not sampled.reprobing
+    ab.choose(build_tree(lp, 5, 64, 7), greedy=False)  # sampled rounds that lose do not touch greedy's gaps
+    assert greedy.explore_gap == ab.max_explore_every and sampled.draft_rate < ab.plain_rate()
+    # a head gain measured in greedy rounds with a chain on offer is the greedy mode's alone
+    paying = drafting_head()
+    offer = paying.chain_offer(chain_tree([0.5] * 4))
+    assert paying.should_draft(offer)
+    paying.observe(*merged_round(offer, 8))
+    assert paying.modes[True].head_gain == pytest.approx(8) and paying.modes[False].head_gain is None
+    assert paying.should_draft(offer, greedy=False)
+    paying.observe(*merged_round(offer, 0), greedy=False)
+    assert paying.modes[False].head_gain == 0 and paying.modes[True].head_gain == pytest.approx(8)
 
 
 def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_path):
@@ -653,7 +698,7 @@ def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_pa
     ab = jf.adaptive_budget()
     # settled as losing by a wide margin: featureless requests measure plain rounds, whose timing on
     # this tiny model moves plain_rate, and must not move it past the head's rate
-    ab.draft_rate, ab._explore_gap = 1e-6, ab.max_explore_every
+    ab.modes[True].draft_rate, ab.modes[True].explore_gap = 1e-6, ab.max_explore_every
     assert ab.head_settled_losing()
     asked = []
     verify, prefill = target.verify, target.prefill
@@ -684,7 +729,10 @@ def test_featureless_requests_are_lossless_and_read_no_features(tiny_dir, tmp_pa
 
 
 def _state(budget: AdaptiveBudget) -> dict:
-    return {k: vars(v) if hasattr(v, "__dict__") else v for k, v in vars(budget).items()}
+    def plain(v):  # objects as their attributes, all the way down
+        v = vars(v) if hasattr(v, "__dict__") else v
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return plain(budget)
 
 
 def test_observing_a_plain_round_alone_equals_observing_its_tree():
@@ -738,16 +786,16 @@ def drafting_head():
     lp = torch.full((15, 30), math.log(0.3 / 29))
     lp[:, 0] = math.log(0.7)
     ab.choose(build_tree(lp, 5, 64, 7))  # drafting pays against a plain step
-    assert ab.draft_rate > ab.plain_rate() and ab.should_draft()
+    assert ab.modes[True].draft_rate > ab.plain_rate() and ab.should_draft()
     return ab
 
 
 def test_a_paying_lookup_chain_replaces_drafting_but_exploration_goes_on():
     ab = drafting_head()
     offer = ab.chain_offer(chain_tree([0.95] * 10))
-    assert offer.rate > ab.draft_rate  # a sure lookup chain without the draft pays more
+    assert offer.rate > ab.modes[True].draft_rate  # a sure lookup chain without the draft pays more
     assert [ab.should_draft(offer) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
-    weak = ChainOffer(chain_tree([0.5]), expected=0.5 * ab.draft_rate * 10.0, cost_ms=10.0)
+    weak = ChainOffer(chain_tree([0.5]), expected=0.5 * ab.modes[True].draft_rate * 10.0, cost_ms=10.0)
     assert ab.should_draft(weak)  # a weaker chain does not stop drafting
 
 
@@ -768,19 +816,19 @@ def test_the_heads_measured_gain_over_a_paying_chain_decides(gain):
     (exactly: greedy acceptance is deterministic), that gain prices drafting against the chain."""
     ab = drafting_head()
     offer = ab.chain_offer(chain_tree([0.5] * 4))
-    assert offer is not None and offer.rate < ab.draft_rate  # the model would draft
+    assert offer is not None and offer.rate < ab.modes[True].draft_rate  # the model would draft
     assert ab.should_draft(offer)  # the gain not measured yet: the model decides
     ab.observe(*merged_round(offer, gain))
-    assert ab.head_gain == pytest.approx(gain)  # what the merged tree emitted beyond the chain + bonus
+    assert ab.modes[True].head_gain == pytest.approx(gain)  # what the merged tree emitted beyond the chain + bonus
     pattern = [ab.should_draft(offer) for _ in range(8)]
     if gain == 0:  # the head adds little: the chain alone, with an exploring draft now and then
         assert pattern == [False] * 3 + [True] + [False] * 4
     else:  # 8 more tokens a round are worth the draft and the bigger tree
         assert pattern[0] and sum(pattern) >= 6
-    assert ab.head_gain == pytest.approx(gain)
+    assert ab.modes[True].head_gain == pytest.approx(gain)
     ab.should_draft()  # a round without a chain on offer does not count as a drafted round with one
     ab.observe(*merged_round(offer, 3))
-    assert ab.head_gain == pytest.approx(gain)
+    assert ab.modes[True].head_gain == pytest.approx(gain)
 
 
 def test_measured_verify_times_rescale_the_cached_curve():
@@ -902,16 +950,16 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
     t = hand_tree()
     assert ab.draft_cost(4) == pytest.approx(2.0)
     ab.choose(t)
-    cheap_rate = ab.draft_rate
+    cheap_rate = ab.modes[True].draft_rate
     for _ in range(40):  # rounds without nodes: only the draft's time moves
         ab.observe(DraftTree.root_only(5), [0], draft_ms=4.0, drafted_nodes=16)
     assert ab.draft_cost(1) == pytest.approx(4.0) and ab.draft_cost(256) == pytest.approx(4.0)
     expected = ab.expected_tokens(t)
     cost = [4.0 * (n > 0) + ab.verify_cost(n) + (ab.overhead_ms if n else ab.plain_overhead_ms) for n in range(4)]
     assert ab.choose(t) == max(range(1, 4), key=lambda n: expected[n] / cost[n])
-    ab.draft_rate = None
+    ab.modes[True].draft_rate = None
     ab.choose(t)
-    assert ab.draft_rate < cheap_rate
+    assert ab.modes[True].draft_rate < cheap_rate
     state = json.loads(json.dumps(ab.state()))
     ab.observe(DraftTree.root_only(5), [0], draft_ms=44.0, drafted_nodes=4)
     assert ab.draft_cost(4) == pytest.approx(2.0 * (2.0 + (22.0 - 2.0) / 20))
@@ -928,16 +976,21 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
         fresh.load_state({**state, "_scale_count": [3, -2]})
     # Every other saved value is checked too: a damaged file would otherwise load, fail every
     # request, and never be replaced (it is saved only when a request completes).
-    chains = state["chain_explorer"]
-    for field, bad in [("overhead_ms", None), ("plain_overhead_ms", -1.0), ("draft_rate", "x"),
-                       ("head_gain", float("inf")), ("_explore_gap", 0), ("_recent_choice", None),
-                       ("_rounds", 1.5), ("_featureless", -1), ("_reprobing", 1),
-                       ("hits", [[float("nan")] * fresh.bins] * (fresh.max_depth + 1))]:
+    for field, bad in [("overhead_ms", None), ("plain_overhead_ms", -1.0), ("_recent_choice", None),
+                       ("_rounds", 1.5), ("hits", [[float("nan")] * fresh.bins] * (fresh.max_depth + 1))]:
         with pytest.raises(ValueError, match=field):
             fresh.load_state({**state, field: bad})
-    for field, bad in [("_gap", 0), ("_since", None), ("_prefer", "yes"), ("decisions", -3)]:
-        with pytest.raises(ValueError, match=f"chain_explorer.{field}"):
-            fresh.load_state({**state, "chain_explorer": {**chains, field: bad}})
+    for name in ("greedy", "sampled"):  # each mode's policy
+        mode = state["modes"][name]
+        chains = mode["chain_explorer"]
+        for field, bad in [("draft_rate", "x"), ("head_gain", float("inf")), ("explore_gap", 0), ("gains", -1),
+                           ("featureless", -1), ("reprobe_doublings", 2.0), ("reprobing", 1),
+                           ("chain_explorer", None), ("chain_explorer", {**chains, "_gap": 0}),
+                           ("chain_explorer", {**chains, "_since": None}), ("chain_explorer", {**chains, "_prefer": "yes"}),
+                           ("chain_explorer", {**chains, "decisions": -3}),
+                           ("chain_explorer", {**chains, "rates": {"true": float("nan")}})]:
+            with pytest.raises(ValueError, match=f"modes.{name}.{field}"):
+                fresh.load_state({**state, "modes": {**state["modes"], name: {**mode, field: bad}}})
     assert fresh.draft_cost(4) == pytest.approx(4.0)  # nothing of a refused state was taken
 
 

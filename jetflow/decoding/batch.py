@@ -170,8 +170,8 @@ class BatchDecoder:
                                                          self.batch.max_context - self.batch.length(r.id) - 1)
             if self.load_budget.single.plain_step_due():
                 chain, plain_due = None, True
-        drafting = bool(auto) and not plain_due and self.load_budget.should_draft(len(self.active), chain,
-                                                                                  self.active[0].params.greedy)
+        modes = [r.params.greedy for r in self.active]
+        drafting = bool(auto) and not plain_due and self.load_budget.should_draft(modes, chain)
         drafts = [r for r in self.active if r._drafter is not None and (r.budget is not None or drafting)]
         for r in self.active:
             if r not in drafts:
@@ -248,7 +248,7 @@ class BatchDecoder:
                 done.append(self._finish(r))
         if all_auto and len(trees) > 1:  # what this step achieved decides the next steps' drafting
             emitted = sum(len(p) for p in paths.values())  # accepted drafts + a bonus token per request
-            self.load_budget.observe_step(len(trees), drafting, emitted, (time.perf_counter() - t_draft) * 1e3)
+            self.load_budget.observe_step(modes, drafting, emitted, (time.perf_counter() - t_draft) * 1e3)
         return done
 
     def _finish(self, r: BatchRequest) -> BatchRequest:

@@ -12,9 +12,10 @@ where q_i is the head's own probability of node i's token at its depth and a(d, 
 rate at which the target agreed with such a node when its parent was accepted (counts per depth and
 probability bin over a window of the latest ``ACCEPTANCE_WINDOW`` trials, starting from a(d, q) = q;
 one table for greedy requests and one for sampled ones, whose nodes are accepted with probability
-min(1, p/q) rather than when they are the target's argmax; the running rate of drafted rounds
-that decides whether to draft at all is kept per mode too, ``draft_rate`` and
-``sampled_draft_rate``, so one mode's rounds do not decide for the other's). The cost of a round is the machine's
+min(1, p/q) rather than when they are the target's argmax; what decides whether to draft at all --
+the running rate of drafted rounds, the head's measured gain over a lookup chain, exploring and
+re-probing -- is kept per mode too, in :class:`ModePolicy`, so one mode's rounds do not decide for
+the other's). The cost of a round is the machine's
 measured draft + verify cost at that size (:class:`CostCurve`) plus a running mean of the rest
 (one for rounds that verify nodes, one for plain rounds).
 
@@ -53,8 +54,8 @@ import math
 from dataclasses import dataclass
 
 from jetflow.decoding.costs import CostCurve
-from jetflow.decoding.explore import Explorer
 from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
+from jetflow.decoding.mode_policy import ModePolicy, finite_number
 from jetflow.tree.build import DraftTree
 
 
@@ -69,11 +70,6 @@ ACCEPTANCE_WINDOW = 500
 # The least weight in the plain steps' running scale of a plain step that was due (the first in
 # ``max_explore_every`` rounds): it stands for all the rounds since the last one (see plain_step_due).
 DUE_STEP_WEIGHT = 0.5
-
-
-def _finite(value) -> bool:
-    """A finite JSON number (not a bool)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _weight(count: int) -> float:
@@ -138,29 +134,20 @@ class AdaptiveBudget:
         self._draft_scale, self._draft_count = 1.0, 0
         self._since_plain: int | None = None  # timed rounds since the last plain step (None: none yet)
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
-        self._explore_gap = explore_every
-        # Running estimates of a drafted round's tokens per ms, of greedy requests and of sampled ones
-        # (which accept fewer nodes): in a mix, one mode's rate would decide whether the other drafts.
-        self.draft_rate: float | None = None
-        self.sampled_draft_rate: float | None = None
-        # Rounds where a paying lookup chain is on offer: draft (the head's tree with the chain merged
-        # in) or verify the chain alone? What the head adds is measured exactly in drafted rounds:
-        # greedy acceptance is deterministic, so the chain alone would have emitted its prefix that
-        # the target followed plus a bonus token, and the rest of what the round emitted is the
-        # head's gain (timing rounds is too noisy on a shared CPU: a round's time moves by more than
-        # the draft's few percent of it). In a sampled request the same count is an estimate: the
-        # chain alone would have been accepted by its own draws, not by the tokens this round drew.
-        self.head_gain: float | None = None  # running mean of that gain, tokens per drafted round
-        self._gains = 0
-        self._chain_explorer = Explorer(explore_every, max_explore_every)
+        # Per mode (greedy: True, sampled: False): the running rate of drafted rounds, the head's gain
+        # over a paying lookup chain, exploring and re-probing (see ModePolicy). Rounds where a paying
+        # lookup chain is on offer: draft (the head's tree with the chain merged in) or verify the
+        # chain alone? What the head adds is measured exactly in drafted rounds: greedy acceptance is
+        # deterministic, so the chain alone would have emitted its prefix that the target followed
+        # plus a bonus token, and the rest of what the round emitted is the head's gain (timing rounds
+        # is too noisy on a shared CPU: a round's time moves by more than the draft's few percent of
+        # it). In a sampled request the same count is an estimate: the chain alone would have been
+        # accepted by its own draws, not by the tokens this round drew.
+        self.modes = {greedy: ModePolicy(explore_every, max_explore_every) for greedy in (True, False)}
         self._offer: ChainOffer | None = None  # this round's paying chain, when the round drafted
-        self._plain_rounds = 0  # consecutive rounds without a draft
         self._recent_choice = max_budget  # budgets chosen lately bound how big a tree to draft
         self._chosen = False  # whether a size was chosen yet (the first choice sets _recent_choice)
         self.reprobe_every, self.max_reprobe_every = reprobe_every, max_reprobe_every
-        self._featureless = 0  # requests in a row served without features (the head settled as losing)
-        self._reprobe_doublings = 0  # re-probes in a row that found the head still losing
-        self._reprobing = False  # the latest request collected features although the head had settled
         # Within a request (not kept between processes): a re-probe's draft is due at its first
         # chance; whether this request has drafted since it began.
         self._probe_due, self._drafted = False, False
@@ -168,21 +155,30 @@ class AdaptiveBudget:
         self._chain_prices: dict = {}  # lookup chain scores_key -> _best_chain_prefix (see lookup_chain)
 
     # What `auto` has learned, kept from one process to the next (JetFlow saves it after each request):
-    # acceptance counts (greedy and sampled), cost scales, the rest of a round, and where exploring and
-    # re-probing stand. Not kept: the plain-step timing (a new process times a plain step first) and
-    # in-round counters.
+    # acceptance counts (greedy and sampled), cost scales, the rest of a round, and each mode's
+    # drafting rate, head gain and where its exploring and re-probing stand. Not kept: the plain-step
+    # timing (a new process times a plain step first) and in-round counters.
     _STATE = ("hits", "trials", "sampled_hits", "sampled_trials", "overhead_ms", "plain_overhead_ms",
               "chain_overhead_ms", "_rounds", "_tree_rounds", "_chain_rounds", "_plain_scale",
-              "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_explore_gap", "draft_rate", "sampled_draft_rate", "head_gain", "_gains", "_recent_choice",
-              "_featureless", "_reprobe_doublings", "_reprobing", "_chosen")
-    _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
+              "_tree_rel", "_scale_count", "_draft_scale", "_draft_count", "_recent_choice", "_chosen")
+    _MODE_NAMES = {True: "greedy", False: "sampled"}
 
     def state(self) -> dict:
         """What this budget has learned, as JSON-able values (:meth:`load_state` restores it)."""
-        chains = self._chain_explorer
         return {**{name: getattr(self, name) for name in self._STATE},
-                "chain_explorer": {**{name: getattr(chains, name) for name in self._EXPLORER_STATE},
-                                   "rates": {str(way).lower(): rate for way, rate in chains.rates.items()}}}
+                "modes": {self._MODE_NAMES[greedy]: mode.state() for greedy, mode in self.modes.items()}}
+
+    def _one_mode_state(self, state: dict) -> dict:
+        """A state saved when both modes shared one drafting policy, with its fields as the greedy
+        mode's (the requests it learned from were mostly greedy) and a fresh sampled mode that keeps
+        its own drafted-round rate where the state had one."""
+        fresh = ModePolicy(self.explore_every, self.max_explore_every).state()
+        shared = {key: state.get(old) for key, old in (
+            ("draft_rate", "draft_rate"), ("head_gain", "head_gain"), ("explore_gap", "_explore_gap"),
+            ("reprobing", "_reprobing"), ("gains", "_gains"), ("featureless", "_featureless"),
+            ("reprobe_doublings", "_reprobe_doublings"), ("chain_explorer", "chain_explorer"))}
+        return {**state, "modes": {"greedy": shared,
+                                   "sampled": {**fresh, "draft_rate": state.get("sampled_draft_rate")}}}
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state`; ValueError (nothing changed) when it does not fit this budget."""
@@ -192,17 +188,18 @@ class AdaptiveBudget:
             # their scale relative to the plain steps' (a state of the same curve: rare, its name holds it)
             plain, draft = state.get("_plain_scale"), state.get("_draft_scale")
             state = {**state, "chain_overhead_ms": state.get("overhead_ms"), "_chain_rounds": 0, "_chosen": True,
-                     **({"_draft_scale": draft / plain} if _finite(plain) and _finite(draft) and plain > 0 else {})}
+                     **({"_draft_scale": draft / plain} if finite_number(plain) and finite_number(draft) and plain > 0 else {})}
         if "sampled_hits" not in state and "sampled_trials" not in state:  # saved with one table for both
             # modes, mostly greedy requests: it stays the greedy one, sampled requests start from the prior
             state = dict(zip(("sampled_hits", "sampled_trials"), self._prior_counts()), **state)
-        if "sampled_draft_rate" not in state:  # saved with one drafted-round rate for both modes: likewise
-            state = {**state, "sampled_draft_rate": None}
+        if "modes" not in state:  # saved with one drafting policy for both modes
+            state = self._one_mode_state(state)
         try:
             values = {name: state[name] for name in self._STATE}
-            chains = state["chain_explorer"]
-            explorer = {name: chains[name] for name in self._EXPLORER_STATE}
-            rates = {{"true": True, "false": False}[way]: float(rate) for way, rate in chains["rates"].items()}
+            saved_modes = state["modes"]
+            modes = {greedy: ModePolicy.from_state(saved_modes[name], self.explore_every, self.max_explore_every,
+                                                   f"modes.{name}")
+                     for greedy, name in self._MODE_NAMES.items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a saved budget state ({e!r} missing or of the wrong kind)") from None
         for name in ("hits", "trials", "sampled_hits", "sampled_trials"):
@@ -219,66 +216,56 @@ class AdaptiveBudget:
         if not isinstance(values["_scale_count"], list) or len(values["_scale_count"]) != 2:
             raise ValueError("_scale_count: expected two counts")
         counts = [("_scale_count", c) for c in values["_scale_count"]] + [
-            (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_chain_rounds", "_gains",
-                                              "_featureless",
-                                              "_reprobe_doublings", "_recent_choice")] + [
-            (f"chain_explorer.{name}", explorer[name]) for name in ("_since", "decisions")]
-        gaps = [("_explore_gap", values["_explore_gap"]), ("chain_explorer._gap", explorer["_gap"])]
-        for (name, value), least in [(c, 0) for c in counts] + [(g, 1) for g in gaps]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+            (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_chain_rounds",
+                                              "_recent_choice")]
+        for name, value in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
         for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
-            if not _finite(values[name]) or values[name] <= 0:
+            if not finite_number(values[name]) or values[name] <= 0:
                 raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")
         for name in ("overhead_ms", "plain_overhead_ms", "chain_overhead_ms"):
-            if not _finite(values[name]) or values[name] < 0:
+            if not finite_number(values[name]) or values[name] < 0:
                 raise ValueError(f"{name}: expected milliseconds >= 0, got {values[name]!r}")
-        for name in ("draft_rate", "sampled_draft_rate", "head_gain"):  # None until measured
-            if values[name] is not None and not _finite(values[name]):
-                raise ValueError(f"{name}: expected a number or null, got {values[name]!r}")
-        for name, value in (("_reprobing", values["_reprobing"]), ("_chosen", values["_chosen"]),
-                            ("chain_explorer._prefer", explorer["_prefer"])):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: expected true or false, got {value!r}")
-        if not all(math.isfinite(rate) for rate in rates.values()):
-            raise ValueError("chain_explorer.rates: expected finite rates")
+        if not isinstance(values["_chosen"], bool):
+            raise ValueError(f"_chosen: expected true or false, got {values['_chosen']!r}")
         for name, value in values.items():
             setattr(self, name, value)
+        self.modes = modes
         for hits, trials in (self._counts(True), self._counts(False)):  # (an old state summed without a window)
             for hit_row, trial_row in zip(hits, trials):
                 for b in range(self.bins):
                     _window(hit_row, trial_row, b)
-        for name, value in explorer.items():
-            setattr(self._chain_explorer, name, value)
-        self._chain_explorer.rates = rates
         self._chain_prices.clear()
 
     def head_settled_losing(self) -> bool:
         """Whether drafting lost against plain steps until exploring reached its longest gap, and
         the latest round with a paying lookup chain on offer (if any) preferred the chain alone
-        (the drafted rate of the mode the request told ``collects_features``)."""
-        rate = self._draft_rate(self._greedy)
-        against_plain = (self._explore_gap >= self.max_explore_every and rate is not None
-                         and rate < self.plain_rate())
-        chains = self._chain_explorer
+        (in the policy of the mode the request told ``collects_features``)."""
+        mode = self._mode()
+        against_plain = (mode.explore_gap >= self.max_explore_every and mode.draft_rate is not None
+                         and mode.draft_rate < self.plain_rate())
+        chains = mode.chain_explorer
         return against_plain and (chains.decisions == 0 or chains.prefers(False))
 
     def collects_features(self, greedy: bool = True) -> bool:
         """Once per request (``greedy``: whether it decodes greedily, which this request's rounds
         then decide by): whether its forwards return the target features the head reads. False
         while the head has settled as losing, except for re-probes: every ``reprobe_every``-th
-        request, the gap doubling after each re-probe that leaves the head losing."""
+        request, the gap doubling after each re-probe that leaves the head losing (each mode
+        settles and re-probes by its own rounds)."""
         self._drafted, self._probe_due, self._greedy = False, False, greedy
+        mode = self._mode()
         if not self.head_settled_losing():
-            self._featureless, self._reprobe_doublings, self._reprobing = 0, 0, False
+            mode.featureless, mode.reprobe_doublings, mode.reprobing = 0, 0, False
             return True
-        if self._reprobing:  # the latest re-probe left the head losing
-            self._reprobe_doublings += 1
-            self._reprobing = False
-        if self._featureless + 1 >= self.reprobe_gap():
-            self._featureless, self._reprobing, self._probe_due = 0, True, True
+        if mode.reprobing:  # the latest re-probe left the head losing
+            mode.reprobe_doublings += 1
+            mode.reprobing = False
+        if mode.featureless + 1 >= self.reprobe_gap():
+            mode.featureless, mode.reprobing, self._probe_due = 0, True, True
             return True
-        self._featureless += 1
+        mode.featureless += 1
         return False
 
     def keeps_features(self) -> bool:
@@ -288,8 +275,10 @@ class AdaptiveBudget:
         return not (self._drafted and self.head_settled_losing())
 
     def reprobe_gap(self) -> int:
-        """Requests from one re-probe to the next while the head has settled as losing."""
-        return min(self.reprobe_every << self._reprobe_doublings, max(self.reprobe_every, self.max_reprobe_every))
+        """Requests (of the current request's mode) from one re-probe to the next while the head has
+        settled as losing."""
+        doublings = self._mode().reprobe_doublings
+        return min(self.reprobe_every << doublings, max(self.reprobe_every, self.max_reprobe_every))
 
     def draft_nodes(self) -> int:
         """How many nodes to draft this round: twice the largest recent choice (so the choice can
@@ -423,31 +412,30 @@ class AdaptiveBudget:
         if self._probe_due:  # a re-probe: draft now rather than after the longest exploring gap
             self._probe_due, self._drafted, self._offer = False, True, chain
             return True
-        drafted = self._decide_draft(chain, self._draft_rate(self._greedy if greedy is None else greedy))
+        drafted = self._decide_draft(chain, self._mode(greedy))
         self._drafted = self._drafted or drafted
         return drafted
 
-    def _decide_draft(self, chain: ChainOffer | None, draft_rate: float | None) -> bool:
-        """``draft_rate``: the drafted-round rate of the request's mode."""
+    def _decide_draft(self, chain: ChainOffer | None, mode: ModePolicy) -> bool:
+        """``mode``: the policy of the request's mode."""
         if chain is not None:
-            if self.head_gain is None:  # the head's gain not measured yet: the model's estimate
-                prefer = draft_rate is None or draft_rate >= chain.rate
+            if mode.head_gain is None:  # the head's gain not measured yet: the model's estimate
+                prefer = mode.draft_rate is None or mode.draft_rate >= chain.rate
             else:  # the chain's tokens plus the head's measured gain, for a draft and a bigger tree
                 nodes = len(chain.tree) - 1 + self._recent_choice
                 cost = self.draft_cost(self.draft_nodes()) + self.verify_cost(nodes) + self.overhead_ms
-                prefer = (chain.expected + self.head_gain) / cost > chain.rate
-            drafted = self._chain_explorer.decide(prefer)
+                prefer = (chain.expected + mode.head_gain) / cost > chain.rate
+            drafted = mode.chain_explorer.decide(prefer)
             self._offer = chain if drafted else None
             return drafted
-        pays = draft_rate is None or draft_rate >= self.plain_rate()
-        if pays:
-            self._plain_rounds, self._explore_gap = 0, self.explore_every
+        if mode.draft_rate is None or mode.draft_rate >= self.plain_rate():
+            mode.plain_rounds, mode.explore_gap = 0, self.explore_every
             return True
-        if self._plain_rounds + 1 >= self._explore_gap:
-            self._plain_rounds = 0
-            self._explore_gap = min(2 * self._explore_gap, self.max_explore_every)
+        if mode.plain_rounds + 1 >= mode.explore_gap:
+            mode.plain_rounds = 0
+            mode.explore_gap = min(2 * mode.explore_gap, self.max_explore_every)
             return True
-        self._plain_rounds += 1
+        mode.plain_rounds += 1
         return False
 
     def _cell(self, tree: DraftTree, node: int) -> tuple[int, int]:
@@ -465,9 +453,10 @@ class AdaptiveBudget:
         """(hits, trials) of requests that decode greedily, or of sampled ones."""
         return (self.hits, self.trials) if greedy else (self.sampled_hits, self.sampled_trials)
 
-    def _draft_rate(self, greedy: bool) -> float | None:
-        """The drafted-round rate of requests that decode greedily, or of sampled ones."""
-        return self.draft_rate if greedy else self.sampled_draft_rate
+    def _mode(self, greedy: bool | None = None) -> ModePolicy:
+        """The drafting policy of requests that decode greedily, or of sampled ones (None: the mode
+        ``collects_features`` was told at the request's start)."""
+        return self.modes[self._greedy if greedy is None else greedy]
 
     def acceptance(self, depth: int, q: float, greedy: bool = True) -> float:
         d, b = min(depth, self.max_depth), min(self.bins - 1, int(q * self.bins))
@@ -504,12 +493,8 @@ class AdaptiveBudget:
         # may), later ones let it shrink slowly.
         self._recent_choice = best if not self._chosen else max(best, int(0.8 * self._recent_choice))
         self._chosen = True
-        rate, old = expected[best] / cost[best], self._draft_rate(greedy)
-        rate = rate if old is None else 0.7 * old + 0.3 * rate
-        if greedy:
-            self.draft_rate = rate
-        else:
-            self.sampled_draft_rate = rate
+        mode, rate = self._mode(greedy), expected[best] / cost[best]
+        mode.draft_rate = rate if mode.draft_rate is None else 0.7 * mode.draft_rate + 0.3 * rate
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
@@ -542,7 +527,5 @@ class AdaptiveBudget:
                 self._observe_verify(len(tree) - 1, verify_ms)
         if self._offer is not None:  # a drafted round that had a paying chain: what did the head add?
             followed = chain_followed(self._offer.tree.tokens[1:], tree, path)
-            gain = len(path) - (followed + 1)  # emitted (accepted + bonus) minus the chain alone's
-            self._gains += 1
-            self.head_gain = gain if self.head_gain is None else self.head_gain + (gain - self.head_gain) / min(self._gains, 20)
+            self._mode(greedy).observe_gain(len(path) - (followed + 1))  # emitted minus the chain alone's
             self._offer = None

@@ -16,7 +16,9 @@ when even the best cap is slower than a plain batched step (n = 0, no drafts) st
 an exploring drafted step now and then to keep the estimate current (the gap doubles, up to
 ``max_explore_every``, while exploring keeps finding that drafting does not pay). What drafting
 achieved is remembered per batch-size bucket (1, 2, 3-4, 5-8, ...), so a batch whose size moves by
-one or two as requests come and go is not re-explored at every new size.
+one or two as requests come and go is not re-explored at every new size, and per mix of decoding
+modes (all greedy, all sampled, or both): sampled requests accept fewer nodes, so a batch of them
+profits less from drafting, and one mix's steps would otherwise decide for another's.
 
 The cost curve is the single sequence's; a batched forward can cost more than it says (torch pads
 every tree to the largest, and builds a mask per row). So the decoder also reports each step's
@@ -26,6 +28,8 @@ then.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from jetflow.decoding.budget import AdaptiveBudget, ChainOffer
 from jetflow.decoding.costs import CostCurve
@@ -41,14 +45,23 @@ class LoadBudget:
         # (no bigger trees than the curve measured, as JetFlow.adaptive_budget caps them: a target with a
         # small context or batch measures only the trees it can verify)
         self.single = self.acceptance = AdaptiveBudget(costs, max_budget=max(int(n) for n in costs.costs["verify_ms"]))
-        self.draft_rate: dict[int, float] = {}  # batch-size bucket -> running tokens/ms of drafted steps
-        self.ways: dict[int, Explorer] = {}  # bucket -> measured drafted / plain steps (drafted: True)
+        # (batch-size bucket, mix of modes) -> running tokens/ms of drafted steps; -> measured drafted /
+        # plain steps (drafted: True)
+        self.draft_rate: dict[tuple[int, str], float] = {}
+        self.ways: dict[tuple[int, str], Explorer] = {}
         self.recent_cap = max_budget
 
     @staticmethod
     def bucket(batch: int) -> int:
         """The power of two at or above ``batch``."""
         return 1 << max(0, batch - 1).bit_length()
+
+    @classmethod
+    def key(cls, greedy: Sequence[bool]) -> tuple[int, str]:
+        """What a batch's drafting is remembered by: its size's bucket and its mix of modes
+        (``greedy``: whether each request decodes greedily)."""
+        mix = "greedy" if all(greedy) else "sampled" if not any(greedy) else "mixed"
+        return cls.bucket(len(greedy)), mix
 
     def forward_ms(self, tokens: int) -> float:
         """A target forward over ``tokens`` tokens (the single-sequence curve: c(n + 1) = verify_ms(n))."""
@@ -63,30 +76,31 @@ class LoadBudget:
             return self.single.draft_nodes()
         return min(self.max_budget, max(4, 2 * self.recent_cap))
 
-    def should_draft(self, batch: int, chain: ChainOffer | None = None, greedy: bool | None = None) -> bool:
-        """``chain``: a lone request's paying lookup chain, ``greedy``: whether a lone request decodes
-        greedily (see AdaptiveBudget.should_draft). A batch's rate is that of its mix of modes (its
-        steps price each request by its own mode's counts), so it has one per batch-size bucket."""
-        if batch == 1:
-            return self.single.should_draft(chain, greedy)
-        b = self.bucket(batch)
-        way = self._way(b)
-        prefer = way.measured_preference()  # both ways measured at this batch size: they decide
+    def should_draft(self, greedy: Sequence[bool], chain: ChainOffer | None = None) -> bool:
+        """Whether this step drafts, for a batch whose requests decode greedily or not (``greedy``,
+        one per request); ``chain``: a lone request's paying lookup chain (see
+        AdaptiveBudget.should_draft)."""
+        if len(greedy) == 1:
+            return self.single.should_draft(chain, greedy[0])
+        key = self.key(greedy)
+        way = self._way(key)
+        prefer = way.measured_preference()  # both ways measured for this batch: they decide
         if prefer is None:
-            rate = self.draft_rate.get(b)
-            prefer = rate is None or rate >= self.plain_rate(batch)
+            rate = self.draft_rate.get(key)
+            prefer = rate is None or rate >= self.plain_rate(len(greedy))
         return way.decide(prefer)
 
-    def _way(self, bucket: int) -> Explorer:
-        if bucket not in self.ways:
-            self.ways[bucket] = Explorer(self.explore_every, self.max_explore_every)
-        return self.ways[bucket]
+    def _way(self, key: tuple[int, str]) -> Explorer:
+        if key not in self.ways:
+            self.ways[key] = Explorer(self.explore_every, self.max_explore_every)
+        return self.ways[key]
 
-    def observe_step(self, batch: int, drafted: bool, tokens: int, ms: float) -> None:
-        """A batched step's measured outcome: ``tokens`` emitted over all requests in ``ms``."""
-        if batch < 2 or ms <= 0:
+    def observe_step(self, greedy: Sequence[bool], drafted: bool, tokens: int, ms: float) -> None:
+        """A batched step's measured outcome: ``tokens`` emitted over all requests in ``ms``
+        (``greedy``: whether each request decodes greedily)."""
+        if len(greedy) < 2 or ms <= 0:
             return
-        self._way(self.bucket(batch)).observe(drafted, tokens / ms)
+        self._way(self.key(greedy)).observe(drafted, tokens / ms)
 
     def choose(self, trees: list[DraftTree], draft_ms: float, greedy: list[bool] | None = None) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only); ``greedy``:
@@ -105,12 +119,12 @@ class LoadBudget:
             if rate > best_rate:
                 best, best_rate = cap, rate
         self.recent_cap = best if best else max(1, self.recent_cap // 2)
-        b = self.bucket(batch)
+        key = self.key(greedy)
         if best:
-            old = self.draft_rate.get(b)
-            self.draft_rate[b] = best_rate if old is None else 0.7 * old + 0.3 * best_rate
-        else:  # drafting did not pay at this batch size: remember it so the next steps stay plain
-            self.draft_rate[b] = 0.9 * best_rate
+            old = self.draft_rate.get(key)
+            self.draft_rate[key] = best_rate if old is None else 0.7 * old + 0.3 * best_rate
+        else:  # drafting did not pay for this batch: remember it so the next steps stay plain
+            self.draft_rate[key] = 0.9 * best_rate
         return best
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
