@@ -416,6 +416,11 @@ def test_load_budget_remembers_drafting_per_mix_of_modes():
     policy.observe_step(greedy, drafted=True, tokens=20, ms=20.0)  # the greedy batch measures drafting ahead
     policy.observe_step(greedy, drafted=False, tokens=4, ms=10.0)
     assert all(policy.should_draft(greedy) for _ in range(3)) and not policy.should_draft(sampled)
+    # two requests at `auto` in a step with two more at budgets of their own: the step is priced and
+    # remembered as the batch of four it is
+    four = [True, True, False, False]
+    assert policy.choose([tree] * 2, draft_ms=1.0, greedy=[True, True], batch=four) > 0
+    assert (4, "mixed") in policy.draft_rate and (2, "greedy") not in policy.draft_rate
 
 
 QUESTIONS = ["What is the capital of France? Answer briefly.", "Name two prime numbers above ten.",

@@ -227,7 +227,8 @@ def test_greedy_and_sampled_requests_decide_to_draft_by_their_own_drafted_rate()
     greedy = state["modes"]["greedy"]
     shared = {**{k: v for k, v in state.items() if k != "modes"}, "draft_rate": greedy["draft_rate"],
               "head_gain": 1.5, "_gains": 3, "_explore_gap": 16, "_featureless": 2, "_reprobe_doublings": 1,
-              "_reprobing": True, "chain_explorer": greedy["chain_explorer"]}
+              "_reprobing": True, "chain_explorer": {**greedy["chain_explorer"], "decisions": 5,
+                                                     "rates": {"true": 0.3, "false": 0.2}}}
     for sampled_rate in (None, 0.25):
         old = shared if sampled_rate is None else {**shared, "sampled_draft_rate": sampled_rate}
         fresh.load_state(old)
@@ -236,6 +237,10 @@ def test_greedy_and_sampled_requests_decide_to_draft_by_their_own_drafted_rate()
                 g.reprobing) == (greedy["draft_rate"], 1.5, 3, 16, 2, 1, True)
         assert sampled.draft_rate == sampled_rate and sampled.head_gain is None
         assert sampled.explore_gap == fresh.explore_every and sampled.chain_explorer.decisions == 0
+        assert g.chain_explorer.decisions == 5 and g.chain_explorer.rates == {True: 0.3, False: 0.2}
+    missing = {k: v for k, v in shared.items() if k != "head_gain"}
+    with pytest.raises(ValueError, match="head_gain"):  # an old state missing a field is refused, as before
+        fresh.load_state(missing)
 
 
 def test_the_decoding_loops_decide_to_draft_by_the_requests_mode(tiny_dir, tmp_path):
@@ -675,10 +680,17 @@ def test_each_mode_explores_settles_reprobes_and_measures_the_heads_gain_by_its_
     assert ab.head_settled_losing()
     assert ab.collects_features(greedy=False) and not ab.head_settled_losing()  # the sampled mode has no evidence
     assert all(ab.should_draft() for _ in range(3))  # ... so its requests draft
+    ab.choose(build_tree(lp, 5, 64, 7))  # (this request's mode: sampled) and find it losing
+    assert sampled.draft_rate < ab.plain_rate()
+    greedy_before = greedy.state(), greedy.plain_rounds
+    # sampled rounds explore at their own doubling gaps, leaving greedy's where they were
+    assert [ab.should_draft() for _ in range(6)] == [False, True, False, False, False, True]
+    assert sampled.explore_gap == ab.max_explore_every and (greedy.state(), greedy.plain_rounds) == greedy_before
+    # now both modes have settled; each counts its own featureless requests and re-probes
     assert [ab.collects_features() for _ in range(3)] == [False, False, True]  # greedy: featureless, re-probe
     assert greedy.featureless == 0 and greedy.reprobing and sampled.featureless == 0 and not sampled.reprobing
-    ab.choose(build_tree(lp, 5, 64, 7), greedy=False)  # sampled rounds that lose do not touch greedy's gaps
-    assert greedy.explore_gap == ab.max_explore_every and sampled.draft_rate < ab.plain_rate()
+    assert not ab.collects_features(greedy=False) and sampled.featureless == 1
+    assert greedy.featureless == 0 and greedy.reprobing
     # a head gain measured in greedy rounds with a chain on offer is the greedy mode's alone
     paying = drafting_head()
     offer = paying.chain_offer(chain_tree([0.5] * 4))
@@ -966,6 +978,7 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
     fresh = AdaptiveBudget(curve(per_node_ms=1.0, base_ms=10.0, draft_ms=2.0))
     fresh.load_state(state)
     assert fresh.draft_cost(4) == pytest.approx(4.0)
+    before = fresh.state()
     for bad in ("fast", -1.0, 0, float("nan")):
         with pytest.raises(ValueError, match="_draft_scale"):
             fresh.load_state({**state, "_draft_scale": bad})
@@ -991,6 +1004,9 @@ def test_measured_draft_times_rescale_the_cached_draft_curve():
                            ("chain_explorer", {**chains, "rates": {"true": float("nan")}})]:
             with pytest.raises(ValueError, match=f"modes.{name}.{field}"):
                 fresh.load_state({**state, "modes": {**state["modes"], name: {**mode, field: bad}}})
+            assert fresh.state() == before
+    with pytest.raises(ValueError, match="hits: counts must be numbers"):
+        fresh.load_state({**state, "hits": [[None] * fresh.bins] * (fresh.max_depth + 1)})
     assert fresh.draft_cost(4) == pytest.approx(4.0)  # nothing of a refused state was taken
 
 

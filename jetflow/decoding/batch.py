@@ -200,7 +200,7 @@ class BatchDecoder:
         shared_ids = {r.id for r in shared}
         if shared:  # one node cap for this step, priced over the whole batch
             cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3,
-                                          [r.params.greedy for r in shared])
+                                          [r.params.greedy for r in shared], modes)
             for r in shared:
                 trees[r.id] = trees[r.id].prefix(min(cap, len(trees[r.id]) - 1) + 1)
         capacity = getattr(self.batch, "n_batch", None)  # llama.cpp: the tokens one decode takes

@@ -46,6 +46,9 @@ machine where the head never pays stops paying for re-probes too. A re-probe dra
 chance rather than after the longest exploring gap, and a request that collects features stops
 collecting them once it has drafted and the head is (still, or now) settled as losing
 (``keeps_features``): a re-probe then costs a few rounds with features, not a whole request.
+All of this -- settling, re-probing, the head's gain, exploring -- goes by the rounds of the
+request's own mode: greedy requests may settle the head as losing while sampled ones still probe it,
+or the other way round.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ class AdaptiveBudget:
         mode's (the requests it learned from were mostly greedy) and a fresh sampled mode that keeps
         its own drafted-round rate where the state had one."""
         fresh = ModePolicy(self.explore_every, self.max_explore_every).state()
-        shared = {key: state.get(old) for key, old in (
+        shared = {key: state[old] for key, old in (
             ("draft_rate", "draft_rate"), ("head_gain", "head_gain"), ("explore_gap", "_explore_gap"),
             ("reprobing", "_reprobing"), ("gains", "_gains"), ("featureless", "_featureless"),
             ("reprobe_doublings", "_reprobe_doublings"), ("chain_explorer", "chain_explorer"))}
@@ -192,9 +195,9 @@ class AdaptiveBudget:
         if "sampled_hits" not in state and "sampled_trials" not in state:  # saved with one table for both
             # modes, mostly greedy requests: it stays the greedy one, sampled requests start from the prior
             state = dict(zip(("sampled_hits", "sampled_trials"), self._prior_counts()), **state)
-        if "modes" not in state:  # saved with one drafting policy for both modes
-            state = self._one_mode_state(state)
         try:
+            if "modes" not in state:  # saved with one drafting policy for both modes
+                state = self._one_mode_state(state)
             values = {name: state[name] for name in self._STATE}
             saved_modes = state["modes"]
             modes = {greedy: ModePolicy.from_state(saved_modes[name], self.explore_every, self.max_explore_every,
@@ -207,6 +210,8 @@ class AdaptiveBudget:
             if (not isinstance(table, list) or len(table) != self.max_depth + 1
                     or any(not isinstance(row, list) or len(row) != self.bins for row in table)):
                 raise ValueError(f"{name}: expected {self.max_depth + 1} rows of {self.bins} counts")
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for row in table for x in row):
+                raise ValueError(f"{name}: counts must be numbers")
             values[name] = [[float(x) for x in row] for row in table]
         for mode in ("", "sampled_"):
             if any(not math.isfinite(t) or t <= 0 for row in values[f"{mode}trials"] for t in row):
@@ -475,9 +480,11 @@ class AdaptiveBudget:
             expected.append(expected[-1] + on_path[node])
         return expected
 
-    def choose(self, tree: DraftTree, greedy: bool = True) -> int:
+    def choose(self, tree: DraftTree, greedy: bool | None = None) -> int:
         """The number of draft nodes (a prefix of ``tree``'s node order) to verify this round
-        (``greedy``: whether the request decodes greedily)."""
+        (``greedy``: whether the request decodes greedily; None: the mode ``collects_features`` was
+        told at the request's start)."""
+        greedy = self._greedy if greedy is None else greedy
         expected = self.expected_tokens(tree, greedy)
         top = min(len(tree) - 1, self.max_budget)
         if top < self.min_budget:
@@ -499,14 +506,16 @@ class AdaptiveBudget:
 
     def observe(self, tree: DraftTree, path: list[int], other_ms: float | None = None,
                 verify_ms: float | None = None, draft_ms: float | None = None, drafted_nodes: int | None = None,
-                drafted: bool = True, greedy: bool = True) -> None:
+                drafted: bool = True, greedy: bool | None = None) -> None:
         """Count, for every verified node whose parent was accepted, whether it was accepted too (in
-        the counts of greedy requests, or of sampled ones when ``greedy`` is False);
+        the counts of greedy requests, or of sampled ones when ``greedy`` is False; None: the mode
+        ``collects_features`` was told at the request's start);
         ``other_ms``: the round's time outside draft and verify; ``verify_ms``: its verify's time;
         ``draft_ms``: its draft's time, for ``drafted_nodes`` (the draft's ``max_nodes``), given for a
         draft that projected only the previous round's features (not a prompt's, nor those of a run
         of plain rounds: exploring pays those, drafting every round would not); ``drafted``: False
         for a round that verified a lookup chain alone."""
+        greedy = self._greedy if greedy is None else greedy
         if draft_ms is not None:
             self._observe_draft(drafted_nodes, draft_ms)
         accepted = set(path)

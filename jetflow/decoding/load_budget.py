@@ -8,7 +8,8 @@ cap n that maximises expected tokens per millisecond over all requests:
     rate(n) = sum_r E_r[tokens | first min(n, |T_r|) nodes of its tree] / (drafts + c(B * (n_eff + 1)))
 
 with E_r from the requests' own draft scores through the acceptance rates measured so far
-(:class:`AdaptiveBudget`'s estimator, shared by all requests) and c from the machine's cost curve
+(:class:`AdaptiveBudget`'s estimator, shared by all requests of a mode: greedy and sampled requests
+have a table each) and c from the machine's cost curve
 (a forward over k tokens costs about what a k-token tree costs alone: the matmuls see the same
 tokens). A lone request gets the single-stream policy itself (:class:`AdaptiveBudget`: trees up to
 256 nodes, its own exploration and overhead estimate); as the batch grows the trees shrink, and
@@ -22,9 +23,10 @@ profits less from drafting, and one mix's steps would otherwise decide for anoth
 
 The cost curve is the single sequence's; a batched forward can cost more than it says (torch pads
 every tree to the largest, and builds a mask per row). So the decoder also reports each step's
-measured tokens per millisecond (:meth:`observe_step`), and once a bucket has measured both drafted
-and plain steps, those measurements decide whether to draft; the other way is still tried now and
-then.
+measured tokens per millisecond (:meth:`observe_step`), and once a bucket and mix has measured both
+drafted and plain steps, those measurements decide whether to draft; the other way is still tried
+now and then. A step that also verifies requests with budgets of their own is priced and
+remembered as the whole batch it is (those requests emit a token each at least).
 """
 
 from __future__ import annotations
@@ -102,24 +104,28 @@ class LoadBudget:
             return
         self._way(self.key(greedy)).observe(drafted, tokens / ms)
 
-    def choose(self, trees: list[DraftTree], draft_ms: float, greedy: list[bool] | None = None) -> int:
+    def choose(self, trees: list[DraftTree], draft_ms: float, greedy: Sequence[bool] | None = None,
+               batch: Sequence[bool] | None = None) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only); ``greedy``:
-        whether each tree's request decodes greedily (None: all do)."""
-        batch = len(trees)
-        greedy = [True] * batch if greedy is None else greedy
-        if batch == 1:
+        whether each tree's request decodes greedily (None: all do); ``batch``: the same for every
+        request of the step, when it also verifies requests with budgets of their own (None: the
+        trees are the whole step)."""
+        greedy = [True] * len(trees) if greedy is None else list(greedy)
+        batch = greedy if batch is None else list(batch)
+        if len(batch) == 1:
             return self.single.choose(trees[0], greedy[0])
+        others = len(batch) - len(trees)  # requests with budgets of their own: a token each, at least
         expected = [self.acceptance.expected_tokens(t, g) for t, g in zip(trees, greedy)]
-        best, best_rate = 0, self.plain_rate(batch)
+        best, best_rate = 0, self.plain_rate(len(batch))
         top = min(self.max_budget, max(len(t) - 1 for t in trees))
         for cap in range(1, top + 1):
             widest = max(min(cap, len(t) - 1) for t in trees)
-            tokens = sum(e[min(cap, len(e) - 1)] for e in expected)
-            rate = tokens / (draft_ms + self.forward_ms(batch * (widest + 1)))
+            tokens = others + sum(e[min(cap, len(e) - 1)] for e in expected)
+            rate = tokens / (draft_ms + self.forward_ms(len(batch) * (widest + 1)))
             if rate > best_rate:
                 best, best_rate = cap, rate
         self.recent_cap = best if best else max(1, self.recent_cap // 2)
-        key = self.key(greedy)
+        key = self.key(batch)
         if best:
             old = self.draft_rate.get(key)
             self.draft_rate[key] = best_rate if old is None else 0.7 * old + 0.3 * best_rate

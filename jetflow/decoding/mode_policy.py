@@ -26,6 +26,9 @@ def finite_number(value) -> bool:
 
 
 class ModePolicy:
+    """One mode's drafting decisions as they stand (read and moved by AdaptiveBudget), saved with
+    :meth:`state` and read back with :meth:`from_state`."""
+
     _COUNTS = ("gains", "featureless", "reprobe_doublings")  # integers >= 0
     _EXPLORER_STATE = ("_since", "_gap", "_prefer", "decisions")
 
