@@ -667,7 +667,10 @@ def cmd_bench(args) -> int:
     from jetflow.decoding.sampling import SamplingParams
 
     budgets = _budget_list(args.budgets)
-    SamplingParams(args.temperature, seed=args.seed)  # bad values fail before the model loads
+    params = SamplingParams(args.temperature, seed=args.seed)  # bad values fail before the model loads
+    if not params.greedy and any(m.name == "llama-ar" for m in methods):
+        raise JetFlowError("llama-ar is llama-cpp-python's greedy loop: drop it from --methods to measure "
+                           f"--temperature {args.temperature} (a sampled run on llama.cpp compares with ar)")
     loaded = [load_eval_set(name, args.limit) for name in dict.fromkeys(
         d.strip() for d in args.datasets.split(",") if d.strip())]
     datasets = {prompts[0].dataset: prompts for prompts in loaded}  # a .jsonl file is named after its stem
@@ -677,7 +680,7 @@ def cmd_bench(args) -> int:
         raise JetFlowError("--datasets names no evaluation set")
     _writable_dir(str(args.out), "--out")
     target = _load_jetflow_target(args)
-    methods = parse_methods(args.methods, reference_method(target))  # llama.cpp runs compare with llama-ar
+    methods = parse_methods(args.methods, reference_method(target, params.greedy))  # greedy llama.cpp: llama-ar
     drafters = {"causal": args.drafter, "bidirectional": args.baseline_drafter, "eagle3": args.eagle_drafter,
                 "native": args.native_drafter}
     summary, mismatches = run_bench(target, methods, datasets, budgets, drafters, args.out, width=args.width,
@@ -1030,7 +1033,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="ar,jetflow-lookup",
                    help="comma list of ar, llama-ar, hf, pld, lookup, dflash, ddtree, jetflow, jetflow-chain, jetflow-lookup, "
                         "jetflow-refine, eagle3, eagle3-lookup, torch-ar, torch-jetflow, llama-dflash (the reference -- ar, "
-                        "or llama-ar on llama.cpp -- is always run; default: %(default)s, what `jetflow generate` "
+                        "or llama-ar in a greedy run on llama.cpp -- is always run; default: %(default)s, what `jetflow generate` "
                         "decodes with, against plain decoding)")
     b.add_argument("--budgets", default="auto",
                    help="draft nodes per round for the tree methods, comma-separated, or auto (default: %(default)s, "

@@ -430,6 +430,33 @@ def test_the_bench_reference_does_the_same_work_as_jetflows_loops(llama_target, 
     assert ref.seconds >= 0.2 * len(added)  # the text was made inside the timing (8 decodes take far less)
 
 
+@pytest.mark.real
+@needs_llamacpp
+def test_a_sampled_bench_on_llamacpp_compares_with_jetflows_plain_loop(tmp_path, capsys):
+    """llama-cpp-python's loop is greedy only: a sampled `jetflow bench` on llama.cpp measures
+    against `ar` (which samples), and naming llama-ar there is refused before anything loads."""
+    import json
+
+    from jetflow.cli import main
+    from jetflow.eval.methods import reference_method
+
+    base = ["bench", "--backend", "llamacpp", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "6",
+            "--temperature", "0.7", "--seed", "3", "--no-cost-model", "--out", str(tmp_path / "b")]
+    assert main(base + ["--methods", "lookup"]) == 0
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    ran = {(r["dataset"], r["method"]): r["summary"] for r in summary["runs"]}
+    assert ran.keys() == {("gsm8k", "ar"), ("gsm8k", "lookup")}
+    lookup, ar = ran[("gsm8k", "lookup")], ran[("gsm8k", "ar")]
+    assert lookup["speedup"] == pytest.approx(lookup["tokens_per_s"] / ar["tokens_per_s"])  # measured against ar
+    capsys.readouterr()
+    assert main(base + ["--methods", "llama-ar,lookup"]) == 2
+    assert "llama-ar is llama-cpp-python's greedy loop" in capsys.readouterr().err
+
+    class OnLlama:
+        backend = "llamacpp"
+    assert reference_method(OnLlama()) == "llama-ar" and reference_method(OnLlama(), greedy=False) == "ar"
+
+
 @needs_llamacpp
 def test_generate_batch_equals_llama_greedy_per_prompt():
     """Regeneration on llama.cpp: several sequences per decode, finished slots refilled, answers in

@@ -93,4 +93,4 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     write_text_atomic(out / "summary.md", markdown(runs, info["machine"], settings.key(), costs, blocks))
     written = plots(runs, out)
     summary = {"out": str(out), "runs": len(runs), "plots": [p.name for p in written]}
-    return summary, report_mismatches(runs, temperature == 0)
+    return summary, report_mismatches(runs, settings.greedy)

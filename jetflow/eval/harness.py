@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jetflow.decoding.sampling import SamplingParams
 from jetflow.errors import InvalidRequestError, JetFlowError
 from jetflow.eval.bootstrap import speedup_interval
 from jetflow.eval.datasets import NO_CATEGORY, EvalPrompt
@@ -42,6 +43,11 @@ class BenchSettings:
 
     def key(self) -> dict:
         return dict(self.__dict__)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the runs decode greedily (a temperature below SamplingParams' least does)."""
+        return SamplingParams(self.temperature).greedy
 
     def run_key(self, spec: MethodSpec, dataset: str, budget: int | None, prompt_ids: list[str],
                 prompt_file: str | None = None) -> dict:
@@ -100,7 +106,7 @@ def prompt_records(runner: MethodRunner, spec: MethodSpec, prompt: EvalPrompt, b
             "finish_reason": result.finish_reason,
             "token_ids": result.token_ids, "category": prompt.category,
         })
-        if settings.temperature == 0 and any(r.token_ids != result.token_ids for r in runs):
+        if settings.greedy and any(r.token_ids != result.token_ids for r in runs):
             records[-1]["repeats_differ"] = True  # greedy decoding gave other outputs on a later call
         answers.append(result.text)
     return records
@@ -134,7 +140,7 @@ def run_side_by_side(runner, runs: list[tuple[MethodSpec, int | None]], prompts:
     rows = {}
     for (spec, budget), recs in zip(runs, records):
         name = spec.name + ("" if budget is None else f"@{budget}")
-        s = summarize(recs, records[0], greedy=settings.temperature == 0)
+        s = summarize(recs, records[0], greedy=settings.greedy)
         # (the reference against itself: exactly 1; one prompt alone gives no interval)
         s["ci95"] = [1.0, 1.0] if recs is records[0] else s.get("speedup_ci95")
         rows[name] = {"summary": s, "records": recs}
@@ -305,8 +311,8 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
     (:func:`run_interleaved`) and saved when the dataset ends; otherwise one run after another, each
     saved as it ends. A stored run made with other settings is not replaced unless ``overwrite``:
     JetFlowError (before anything runs) names them."""
-    greedy = settings.temperature == 0
-    main_ref = reference_method(runner.target)
+    greedy = settings.greedy
+    main_ref = reference_method(runner.target, greedy)  # a sampled run on llama.cpp: ar, not llama-ar
     if not overwrite:
         conflicts = stored_conflicts([
             (out_dir / "runs" / f"{run_name(dataset, spec, budget)}.json",

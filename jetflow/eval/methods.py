@@ -45,6 +45,7 @@ from transformers import GenerationConfig
 import jetflow
 from jetflow.decoding.api import prepare_request
 from jetflow.decoding.result import GenerationResult
+from jetflow.decoding.sampling import SamplingParams
 from jetflow.errors import JetFlowError
 from jetflow.decoding.lookup_drafter import LookupDrafter
 from jetflow.models.backend import TargetBackend
@@ -78,9 +79,11 @@ METHODS = {m.name: m for m in [
 ]}
 
 
-def reference_method(target) -> str:
-    """The method every speed-up is measured against and every output compared with."""
-    return "llama-ar" if target.backend == "llamacpp" else "ar"
+def reference_method(target, greedy: bool = True) -> str:
+    """The method every speed-up is measured against and every output compared with: on llama.cpp
+    llama-cpp-python's own greedy loop, except in a sampled run (``greedy`` False), which it cannot
+    decode; JetFlow's plain loop then, as on torch."""
+    return "llama-ar" if target.backend == "llamacpp" and greedy else "ar"
 HEAD_FLAGS = {"causal": "--drafter", "bidirectional": "--baseline-drafter", "eagle3": "--eagle-drafter"}
 
 
@@ -207,7 +210,7 @@ class MethodRunner:
     def _llama_generate(self, prompt, request: dict) -> GenerationResult:
         from jetflow.eval.llama_reference import llama_greedy, open_llama
 
-        if request["temperature"] > 0:
+        if not SamplingParams(request["temperature"]).greedy:
             raise JetFlowError("llama-ar is the greedy reference; use --temperature 0")
         prompt_ids, _, output = prepare_request(self.target, prompt, **request)
         if self._llama is None:
@@ -223,7 +226,7 @@ class MethodRunner:
         from jetflow.export.gguf import export_gguf
         from jetflow.models.checkpoint import load_drafter
 
-        if request["temperature"] > 0:
+        if not SamplingParams(request["temperature"]).greedy:
             raise JetFlowError("llama-dflash runs llama.cpp's driver greedily; use --temperature 0")
         if self._native_gguf is None:  # exported once per run, next to nothing the user keeps
             self._native_dir = tempfile.TemporaryDirectory(prefix="jetflow-native-")
