@@ -5,6 +5,8 @@ them also the lookup-chain rounds: how many, their mean nodes and the tokens eac
 of n nodes pays where it emits more than c(n + 1) / c(1) tokens), and what they cost: `auto`'s verify
 time less its plain rounds at `ar`'s time per token (decode only, so a little over a plain verify),
 per chain round, in those steps. This estimate rests on `auto`'s plain rounds costing `ar`'s steps.
+A run without `llama-ar` (a sampled one, or one that left it out) is summed without it, and one
+without `ar` without the chains' cost.
 
     python benchmarks/split_by_features.py docs/results/headline_llamacpp_v13
 """
@@ -25,9 +27,11 @@ def main() -> int:
     ap.add_argument("--datasets", default="gsm8k,mtbench,humaneval,math500,aime")
     args = ap.parse_args()
     for dataset in args.datasets.split(","):
-        runs = {name: {(r["id"], r["turn"]): r for r in
-                       json.load(open(Path(args.run) / "runs" / f"{dataset}__{file}.json"))["records"]}
-                for name, file in METHODS.items()}
+        files = {name: Path(args.run) / "runs" / f"{dataset}__{file}.json" for name, file in METHODS.items()}
+        if not files["auto"].is_file():
+            raise SystemExit(f"{files['auto']} not found: the run has no `jetflow-lookup` at `auto` on {dataset}")
+        runs = {name: {(r["id"], r["turn"]): r for r in json.load(open(path))["records"]}
+                for name, path in files.items() if path.is_file()}
         kinds, sums = Counter(), defaultdict(float)
         for key, record in runs["auto"].items():
             features = bool(record["features"])
@@ -40,9 +44,10 @@ def main() -> int:
                 sums["chain_tokens"] += sum(rounds) - (len(rounds) - chains)
                 sums["plain_rounds"] += len(rounds) - chains
                 sums["auto_verify_s"] += (record.get("time_split") or {}).get("verify", 0.0)
-                ar = runs["ar"][key]
-                sums["ar_decode_s"] += ar["seconds"] - (ar.get("prefill_seconds") or 0.0)
-                sums["ar_tokens"] += ar["new_tokens"]
+                if "ar" in runs:
+                    ar = runs["ar"][key]
+                    sums["ar_decode_s"] += ar["seconds"] - (ar.get("prefill_seconds") or 0.0)
+                    sums["ar_tokens"] += ar["new_tokens"]
             sums[features, "requests"] += 1
             for name, run in runs.items():
                 sums[features, name, "s"] += run[key]["seconds"]
@@ -59,6 +64,7 @@ def main() -> int:
             print(f"  lookup-chain rounds without features: {int(sums['chains'])}, "
                   f"{sums['chain_nodes'] / sums['chains']:.2f} nodes and {sums['chain_tokens'] / sums['chains']:.2f} "
                   f"tokens each")
+        if sums["chains"] and sums["ar_tokens"]:
             step = sums["ar_decode_s"] / sums["ar_tokens"]
             chain_s = (sums["auto_verify_s"] - sums["plain_rounds"] * step) / sums["chains"]
             print(f"  their verify, estimated: {chain_s * 1e3:.1f} ms each, {chain_s / step:.2f} of `ar`'s "
