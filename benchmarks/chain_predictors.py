@@ -31,6 +31,7 @@ from jetflow.data.shards import list_shards, read_shard
 from jetflow.decoding.lookup_drafter import MAX_NGRAM, LookupIndex
 from jetflow.decoding.mixed_drafter import MATCH_ROW_STARTS, MAX_CHAIN, common_prefix, match_row
 from jetflow.decoding.prompt import encode_prompt
+from jetflow.decoding.sampling import SamplingParams
 from jetflow.eval.datasets import load_eval_set
 from jetflow.models.loading import load_target
 from jetflow.utils.fs import write_json_atomic
@@ -41,8 +42,12 @@ SEPARATOR = -1
 
 
 def requests(bench_dir: Path, method: str, datasets: list[str], tokenizer):
-    """(set, prompt ids, output ids) of every request of the run, later turns after its own answers."""
+    """(set, prompt ids, output ids) of every request of the run, later turns after its own answers.
+    A sampled run is refused: how far the target follows a chain is fixed by its greedy text only."""
     summary = json.loads((bench_dir / "summary.json").read_text())
+    if not SamplingParams(summary["settings"]["temperature"]).greedy:
+        raise SystemExit(f"{bench_dir}: a sampled run (temperature {summary['settings']['temperature']}); "
+                         "these predictors read greedy outputs")
     for name in datasets:
         records = json.loads((bench_dir / "runs" / f"{name}__{method}.json").read_text())["records"]
         by_turn = {(r["id"], r["turn"]): r for r in records}

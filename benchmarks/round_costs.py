@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from jetflow.eval.bootstrap import speedup_interval
-from jetflow.utils.fs import write_json_atomic
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speedup_intervals import same_temperature  # noqa: E402
+
+from jetflow.eval.bootstrap import speedup_interval  # noqa: E402
+from jetflow.utils.fs import write_json_atomic  # noqa: E402
 
 
 def run_rows(out: Path) -> list[dict]:
@@ -27,7 +32,8 @@ def run_rows(out: Path) -> list[dict]:
     rows = []
     ref_ms = {}
     for run in runs:
-        refs = [r for r in runs if r["dataset"] == run["dataset"] and r["method"] in ("llama-ar", "ar")]
+        refs = [r for r in runs if r["dataset"] == run["dataset"] and r["method"] in ("llama-ar", "ar")
+                and same_temperature(r, run)]
         ref = next((r for r in refs if r["method"] == "llama-ar"), refs[0] if refs else None)
         s = run["summary"]
         split = s.get("ms_per_round", {})

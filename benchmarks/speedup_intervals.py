@@ -26,6 +26,11 @@ def total_ratio(records: list[dict], reference: list[dict]) -> float:
     return tokens * ref_seconds / (seconds * ref_tokens)
 
 
+def same_temperature(a: dict, b: dict) -> bool:
+    """Whether two stored runs decoded at the same temperature (a sampled run's reference is ar)."""
+    return a.get("key", {}).get("temperature") == b.get("key", {}).get("temperature")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outs", nargs="+", type=Path, help="--out folders of `jetflow bench`")
@@ -40,7 +45,8 @@ def main() -> int:
         for run in runs:
             s = run["summary"]
             wanted = (args.against,) if args.against else ("llama-ar", "ar")
-            refs = [r for r in runs if r["dataset"] == run["dataset"] and r["method"] in wanted]
+            refs = [r for r in runs if r["dataset"] == run["dataset"] and r["method"] in wanted
+                    and same_temperature(r, run)]  # (a greedy llama-ar left beside a sampled run is not its reference)
             ref = next((r for r in refs if r["method"] == "llama-ar"), refs[0] if refs else None)
             if ref is None or ref is run or "speedup" not in s:
                 continue

@@ -30,8 +30,10 @@ def main() -> int:
         files = {name: Path(args.run) / "runs" / f"{dataset}__{file}.json" for name, file in METHODS.items()}
         if not files["auto"].is_file():
             raise SystemExit(f"{files['auto']} not found: the run has no `jetflow-lookup` at `auto` on {dataset}")
-        runs = {name: {(r["id"], r["turn"]): r for r in json.load(open(path))["records"]}
-                for name, path in files.items() if path.is_file()}
+        stored = {name: json.load(open(path)) for name, path in files.items() if path.is_file()}
+        temperature = stored["auto"]["key"].get("temperature")  # a run left from another temperature is not summed
+        runs = {name: {(r["id"], r["turn"]): r for r in run["records"]} for name, run in stored.items()
+                if run["key"].get("temperature") == temperature}
         kinds, sums = Counter(), defaultdict(float)
         for key, record in runs["auto"].items():
             features = bool(record["features"])

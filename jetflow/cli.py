@@ -661,16 +661,14 @@ def cmd_eval_agreement(args) -> int:
 def cmd_bench(args) -> int:
     from jetflow.eval.bench import run_bench
     from jetflow.eval.datasets import load_eval_set
-    from jetflow.eval.methods import parse_methods, reference_method
+    from jetflow.eval.methods import check_sampling, parse_methods, reference_method
 
     methods = parse_methods(args.methods)
     from jetflow.decoding.sampling import SamplingParams
 
     budgets = _budget_list(args.budgets)
     params = SamplingParams(args.temperature, seed=args.seed)  # bad values fail before the model loads
-    if not params.greedy and any(m.name == "llama-ar" for m in methods):
-        raise JetFlowError("llama-ar is llama-cpp-python's greedy loop: drop it from --methods to measure "
-                           f"--temperature {args.temperature} (a sampled run on llama.cpp compares with ar)")
+    check_sampling(methods, params.greedy)
     loaded = [load_eval_set(name, args.limit) for name in dict.fromkeys(
         d.strip() for d in args.datasets.split(",") if d.strip())]
     datasets = {prompts[0].dataset: prompts for prompts in loaded}  # a .jsonl file is named after its stem
@@ -1045,7 +1043,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass conditioning every node of the first pass's tree ('tree:N': N, each over the tree "
                         "the one before built; default 1)")
     _add_draft_weights_arg(b)
-    b.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy: every output must equal ar's")
+    b.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (as is anything below 1e-5): every output must equal the reference's "
+                        "(ar, or llama-ar on llama.cpp); above, a sampled run measured against ar")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default: %(default)s)")
     b.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per prompt (median kept)")

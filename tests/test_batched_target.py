@@ -417,10 +417,19 @@ def test_load_budget_remembers_drafting_per_mix_of_modes():
     policy.observe_step(greedy, drafted=False, tokens=4, ms=10.0)
     assert all(policy.should_draft(greedy) for _ in range(3)) and not policy.should_draft(sampled)
     # two requests at `auto` in a step with two more at budgets of their own: the step is priced and
-    # remembered as the batch of four it is
-    four = [True, True, False, False]
-    assert policy.choose([tree] * 2, draft_ms=1.0, greedy=[True, True], batch=four) > 0
+    # remembered as the batch of four it is, the others' trees included
+    assert policy.choose([tree] * 2, draft_ms=1.0, greedy=[True, True], others=[(False, 0), (False, 0)]) > 0
     assert (4, "mixed") in policy.draft_rate and (2, "greedy") not in policy.draft_rate
+    steep = LoadBudget(CostCurve({"c1_ms": 10.0, "verify_ms": {n: 10.0 + 2.5 * n for n in ms}, "draft_ms": {}}),
+                       max_budget=32)
+    torch.manual_seed(0)
+    lp = (torch.randn(15, 50) * 3).log_softmax(-1)
+    lp[:, 0] = 0.0
+    confident = build_tree(lp.log_softmax(-1), 1, 32, 3)
+    alone = steep.choose([confident] * 2, 0.0, [True] * 2, others=[(False, 0)] * 2)
+    # beside two trees of 24 nodes every cap up to 24 costs the same padded forward: it is taken
+    padded = steep.choose([confident] * 2, 0.0, [True] * 2, others=[(False, 24)] * 2)
+    assert alone < padded and padded >= 24
 
 
 QUESTIONS = ["What is the capital of France? Answer briefly.", "Name two prime numbers above ten.",

@@ -289,7 +289,8 @@ def test_side_by_side_rows_and_their_comparison(tiny_dir, heads, capsys):
     (["--budgets", "0"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
     (["--budgets", "16,300"], "--budgets must be comma-separated integers in [1, 256] or 'auto'"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--temperature", "0.7", "--methods", "llama-ar,ar"], "llama-ar is llama-cpp-python's greedy loop"),
+    (["--temperature", "0.7", "--methods", "llama-ar,ar"], "llama-ar decodes greedily only: drop it"),
+    (["--temperature", "0.7", "--methods", "llama-dflash,llama-ar"], "llama-dflash, llama-ar decode greedily only"),
     (["--drafter", "/no/such/dir"], "drafter checkpoint directory not found"),
 ])
 def test_bench_bad_input(tiny_dir, tmp_path, capsys, extra, message):

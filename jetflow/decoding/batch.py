@@ -199,8 +199,9 @@ class BatchDecoder:
         t_tree = time.perf_counter() if not drafts else t_drafted
         shared_ids = {r.id for r in shared}
         if shared:  # one node cap for this step, priced over the whole batch
+            others = [(r.params.greedy, len(trees[r.id]) - 1) for r in self.active if r.id not in shared_ids]
             cap = self.load_budget.choose([trees[r.id] for r in shared], (time.perf_counter() - t_draft) * 1e3,
-                                          [r.params.greedy for r in shared], modes)
+                                          [r.params.greedy for r in shared], others)
             for r in shared:
                 trees[r.id] = trees[r.id].prefix(min(cap, len(trees[r.id]) - 1) + 1)
         capacity = getattr(self.batch, "n_batch", None)  # llama.cpp: the tokens one decode takes

@@ -105,22 +105,22 @@ class LoadBudget:
         self._way(self.key(greedy)).observe(drafted, tokens / ms)
 
     def choose(self, trees: list[DraftTree], draft_ms: float, greedy: Sequence[bool] | None = None,
-               batch: Sequence[bool] | None = None) -> int:
+               others: Sequence[tuple[bool, int]] = ()) -> int:
         """The per-request node cap for this step's trees (0: verify the roots only); ``greedy``:
-        whether each tree's request decodes greedily (None: all do); ``batch``: the same for every
-        request of the step, when it also verifies requests with budgets of their own (None: the
-        trees are the whole step)."""
+        whether each tree's request decodes greedily (None: all do); ``others``: (greedy, draft
+        nodes) of each other request the step verifies whatever the cap (one with a budget of its
+        own): each emits a token at least, and its tree is padded like the rest."""
         greedy = [True] * len(trees) if greedy is None else list(greedy)
-        batch = greedy if batch is None else list(batch)
+        batch = greedy + [g for g, _ in others]
         if len(batch) == 1:
             return self.single.choose(trees[0], greedy[0])
-        others = len(batch) - len(trees)  # requests with budgets of their own: a token each, at least
+        fixed = max((n for _, n in others), default=0)  # the widest tree verified whatever the cap
         expected = [self.acceptance.expected_tokens(t, g) for t, g in zip(trees, greedy)]
-        best, best_rate = 0, self.plain_rate(len(batch))
+        best, best_rate = 0, len(batch) / self.forward_ms(len(batch) * (fixed + 1))
         top = min(self.max_budget, max(len(t) - 1 for t in trees))
         for cap in range(1, top + 1):
-            widest = max(min(cap, len(t) - 1) for t in trees)
-            tokens = others + sum(e[min(cap, len(e) - 1)] for e in expected)
+            widest = max([fixed] + [min(cap, len(t) - 1) for t in trees])
+            tokens = len(others) + sum(e[min(cap, len(e) - 1)] for e in expected)
             rate = tokens / (draft_ms + self.forward_ms(len(batch) * (widest + 1)))
             if rate > best_rate:
                 best, best_rate = cap, rate

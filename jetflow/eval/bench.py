@@ -11,7 +11,8 @@ from jetflow.errors import JetFlowError
 from jetflow.eval.datasets import EvalPrompt
 from jetflow.eval.harness import BenchSettings, report_mismatches, run_benchmark, typical_context
 from jetflow.eval.machine import machine
-from jetflow.eval.methods import MethodRunner, MethodSpec
+from jetflow.decoding.sampling import SamplingParams
+from jetflow.eval.methods import MethodRunner, MethodSpec, check_sampling
 from jetflow.eval.report import markdown, plots
 from jetflow.models.checkpoint import head_fingerprint, load_drafter
 from jetflow.models.shipped import shipped_drafter
@@ -44,6 +45,7 @@ def run_bench(target: TargetBackend, methods: list[MethodSpec], datasets: dict[s
     eval/harness.py). Returns the summary line (out dir, run count, plot names) and the
     number of outputs that differ from ar's (each reported on stderr). Runs stored in ``out`` with
     other settings stop it before anything runs, unless ``overwrite``."""
+    check_sampling(methods, SamplingParams(temperature).greedy)  # before anything loads or runs
     paths = dict(drafters)
     if paths.get("causal") == "auto":
         paths["causal"] = shipped_drafter(target.name)

@@ -135,7 +135,8 @@ def run_side_by_side(runner, runs: list[tuple[MethodSpec, int | None]], prompts:
     run, which every greedy output must equal; prints a line per run. Returns {run name: {"summary",
     "records"}}, names as "method@budget"."""
     for spec, budget in runs:
-        runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
+        runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8,  # in the run's mode
+                   temperature=settings.temperature, seed=settings.seed, chat=prompts[0].chat)
     records = run_interleaved(runner, runs, prompts, settings)
     rows = {}
     for (spec, budget), recs in zip(runs, records):
@@ -169,7 +170,7 @@ def print_comparison(label: str, a: dict, b: dict) -> dict:
 def summarize(records: list[dict], reference: list[dict] | None, greedy: bool,
               equal_to: list[dict] | None = None, by_category: bool = True, as_text=None) -> dict:
     """Totals and means of one run; ``reference`` is the reference run on the same prompts (ar, or
-    llama-ar on llama.cpp): the speed-up's denominator; ``equal_to`` the run whose outputs this one
+    llama-ar in a greedy run on llama.cpp): the speed-up's denominator; ``equal_to`` the run whose outputs this one
     must reproduce (default: ``reference``), token for token, or with ``as_text`` (ids -> text) as
     text. Prompts with a category also get a summary per category."""
     tokens = sum(r["new_tokens"] for r in records)
@@ -333,7 +334,8 @@ def run_benchmark(runner: MethodRunner, methods: list[MethodSpec], datasets: dic
         # budget state, made on its first request, so it is warmed apart from the fixed budgets.
         what = (spec.name, budget == "auto")
         if what not in warmed:
-            runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8, chat=prompts[0].chat)
+            runner.run(spec, prompts[0].request([]), budget=budget, max_new_tokens=8,  # in the run's mode
+                       temperature=settings.temperature, seed=settings.seed, chat=prompts[0].chat)
             warmed.add(what)
 
     runs = []

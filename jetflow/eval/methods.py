@@ -2,8 +2,9 @@
 
     ar             JetFlow's own autoregressive loop on the target's backend (the speed-up
                    denominator on the torch backend)
-    llama-ar       llama-cpp-python's own ``Llama`` greedy loop (llama.cpp backend only: the
-                   speed-up denominator and the output every llama.cpp method must equal)
+    llama-ar       llama-cpp-python's own ``Llama`` greedy loop (llama.cpp backend only: in a greedy
+                   run the speed-up denominator and the output every llama.cpp method must equal;
+                   a sampled run, which it cannot decode, measures against ar)
     hf             plain transformers ``generate`` (what a user gets without JetFlow; torch only)
     pld            transformers prompt-lookup decoding (no drafter; torch only)
     lookup         JetFlow's prompt lookup (no drafter) through the tree verifier: any backend
@@ -64,6 +65,7 @@ class MethodSpec:
     backend: str | None = None  # None: the bench target's; "torch": a torch twin of it; "llamacpp": only there
     equals: str | None = None  # the method whose output it must reproduce (None: the run's reference)
     exact_tokens: bool = True  # False: its tokens are its text tokenized again, so outputs compare as text
+    greedy_only: bool = False  # decodes greedily whatever the temperature: refused in a sampled run
 
 
 METHODS = {m.name: m for m in [
@@ -72,10 +74,10 @@ METHODS = {m.name: m for m in [
     MethodSpec("jetflow", "causal", True), MethodSpec("jetflow-chain", "causal", False),
     MethodSpec("jetflow-lookup", "causal", True), MethodSpec("jetflow-refine", "causal", True),
     MethodSpec("eagle3", "eagle3", True), MethodSpec("eagle3-lookup", "eagle3", True),
-    MethodSpec("llama-ar", None, False, backend="llamacpp"),
+    MethodSpec("llama-ar", None, False, backend="llamacpp", greedy_only=True),
     MethodSpec("lookup", None, False), MethodSpec("torch-ar", None, False, backend="torch", equals="torch-ar"),
     MethodSpec("torch-jetflow", "causal", False, backend="torch", equals="torch-ar"),
-    MethodSpec("llama-dflash", None, False, backend="llamacpp", exact_tokens=False),
+    MethodSpec("llama-dflash", None, False, backend="llamacpp", exact_tokens=False, greedy_only=True),
 ]}
 
 
@@ -85,6 +87,15 @@ def reference_method(target, greedy: bool = True) -> str:
     decode; JetFlow's plain loop then, as on torch."""
     return "llama-ar" if target.backend == "llamacpp" and greedy else "ar"
 HEAD_FLAGS = {"causal": "--drafter", "bidirectional": "--baseline-drafter", "eagle3": "--eagle-drafter"}
+
+
+def check_sampling(methods: list[MethodSpec], greedy: bool) -> None:
+    """JetFlowError naming the methods a sampled run cannot measure (they decode greedily only)."""
+    refused = [m.name for m in methods if m.greedy_only]
+    if not greedy and refused:
+        raise JetFlowError(f"{', '.join(refused)} decode{'s' if len(refused) == 1 else ''} greedily only: drop "
+                           f"{'it' if len(refused) == 1 else 'them'} from --methods to measure a temperature above 0 "
+                           "(a sampled run on llama.cpp compares with ar)")
 
 
 def parse_methods(text: str, reference: str = "ar") -> list[MethodSpec]:

@@ -47,7 +47,7 @@ def markdown(runs: list[dict], machine: dict, settings: dict, costs: dict | None
              "tau = mean accepted length per round, bonus token included (tokens a last round accepted past a "
              "stop or the length limit count; `tokens_per_round` in summary.json leaves them out; for `hf`/`pld` "
              "tokens per target forward). Speed-up = total tokens / "
-             "total time against the reference (`ar`, or `llama-ar` on llama.cpp; headline), with its 95% interval "
+             "total time against the reference (`ar`, or `llama-ar` in a greedy run on llama.cpp; headline), with its 95% interval "
              "from resampling prompts (a paired bootstrap); per-prompt = mean of per-prompt speed-ups.", "",
              "## Best budget per method", "", *RUN_TABLE_HEAD]
     for (dataset, method), run in sorted(best_runs(runs).items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):

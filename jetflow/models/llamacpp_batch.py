@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from jetflow.decoding.sampling import MIN_TEMPERATURE
 from jetflow.errors import InvalidRequestError, check_max_new_tokens
 from jetflow.models.llamacpp_target import LlamaCppError, _Batch
 
@@ -25,7 +26,7 @@ class _Slot:
 def generate_many(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                   generator: torch.Generator | None = None, slots: int = 16, n_batch: int = 512) -> list[list[int]]:
     """Answers (token ids, a stop token included when produced) of ``target`` (a LlamaCppTarget)
-    to every prompt; greedy at temperature 0, else sampled with ``generator``."""
+    to every prompt; greedy below a temperature of 1e-5 (as every decoder), else sampled with ``generator``."""
     lib = target._lib
     check_max_new_tokens(max_new_tokens)
     if not prompts:
@@ -92,7 +93,7 @@ def _put(batch: _Batch, n: int, token: int, pos: int, seq: int, logits: bool) ->
 
 
 def _pick(row: np.ndarray, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature <= 0:
+    if temperature < MIN_TEMPERATURE:  # greedy, as every decoder (dividing by it would overflow)
         return int(row.argmax())
     probs = torch.from_numpy(row / temperature).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jetflow.decoding.prompt import stop_token_ids
+from jetflow.decoding.sampling import MIN_TEMPERATURE
 from jetflow.errors import InvalidRequestError, ModelResolutionError, check_max_new_tokens, first_line
 from jetflow.models.backend import TargetOutput, TargetShape, chain_parents, check_path
 from jetflow.models.few_row_linear import use_few_row_linear
@@ -378,7 +379,7 @@ class TargetModel:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                        logits_to_keep=1).logits[:, -1]
         for step in range(max_new_tokens):
-            if temperature > 0:
+            if temperature >= MIN_TEMPERATURE:  # below it greedy, as every decoder (dividing by it overflows)
                 nxt = torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator)[:, 0]
             else:
                 nxt = logits.argmax(-1)
