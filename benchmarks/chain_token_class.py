@@ -59,10 +59,10 @@ def main() -> int:
     out = {"bench_dir": args.bench_dir, "method": args.method, "cells": [
         {"set": s, "row": r, "first_token": c, "offers": v[0], "mean_followed": v[1] / v[0], "p_followed_1": v[2] / v[0]}
         for (s, r, c), v in sorted(cells.items())]}
+    write_json_atomic(args.out, out)  # first: a closed pipe on the printout loses nothing
     for cell in out["cells"]:
         print(f"{cell['set']:10s} row {cell['row']:>2} {cell['first_token']:6s} {cell['offers']:5d} offers, "
               f"{cell['mean_followed']:.2f} followed, P(>=1) {cell['p_followed_1']:.2f}")
-    write_json_atomic(args.out, out)
     return 0
 
 
