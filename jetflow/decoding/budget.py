@@ -58,7 +58,8 @@ from dataclasses import dataclass
 
 from jetflow.decoding.costs import CostCurve
 from jetflow.decoding.mixed_drafter import MixedDrafter, chain_followed
-from jetflow.decoding.mode_policy import ModePolicy, finite_number
+from jetflow.decoding.mode_policy import ModePolicy
+from jetflow.decoding.saved_state import check_count, finite_number
 from jetflow.tree.build import DraftTree
 
 
@@ -224,8 +225,7 @@ class AdaptiveBudget:
             (name, values[name]) for name in ("_draft_count", "_rounds", "_tree_rounds", "_chain_rounds",
                                               "_recent_choice")]
         for name, value in counts:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+            check_count(name, value)
         for name in ("_plain_scale", "_tree_rel", "_draft_scale"):
             if not finite_number(values[name]) or values[name] <= 0:
                 raise ValueError(f"{name}: expected a positive ratio, got {values[name]!r}")

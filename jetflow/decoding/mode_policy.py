@@ -15,14 +15,8 @@ and its own re-probing counters (requests served without features, doublings of 
 
 from __future__ import annotations
 
-import math
-
 from jetflow.decoding.explore import Explorer
-
-
-def finite_number(value) -> bool:
-    """A finite JSON number (not a bool): what a saved state's measured values must be."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+from jetflow.decoding.saved_state import check_count, finite_number
 
 
 class ModePolicy:
@@ -70,12 +64,11 @@ class ModePolicy:
             rates = {{"true": True, "false": False}[way]: rate for way, rate in chains["rates"].items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{name}.chain_explorer: not a saved explorer ({e!r} missing or of the wrong kind)") from None
-        least = {**{key: 0 for key in cls._COUNTS}, "explore_gap": 1, "chain_explorer._since": 0,
-                 "chain_explorer.decisions": 0, "chain_explorer._gap": 1}
-        for key, low in least.items():
-            value = explorer[key.split(".")[1]] if "." in key else values[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}.{key}: expected an integer >= {low}, got {value!r}")
+        for key in cls._COUNTS:
+            check_count(f"{name}.{key}", values[key])
+        check_count(f"{name}.explore_gap", values["explore_gap"], 1)
+        for key, least in (("_since", 0), ("decisions", 0), ("_gap", 1)):
+            check_count(f"{name}.chain_explorer.{key}", explorer[key], least)
         for key in ("draft_rate", "head_gain"):  # None until measured
             if values[key] is not None and not finite_number(values[key]):
                 raise ValueError(f"{name}.{key}: expected a number or null, got {values[key]!r}")

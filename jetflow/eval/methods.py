@@ -86,6 +86,8 @@ def reference_method(target, greedy: bool = True) -> str:
     llama-cpp-python's own greedy loop, except in a sampled run (``greedy`` False), which it cannot
     decode; JetFlow's plain loop then, as on torch."""
     return "llama-ar" if target.backend == "llamacpp" and greedy else "ar"
+
+
 HEAD_FLAGS = {"causal": "--drafter", "bidirectional": "--baseline-drafter", "eagle3": "--eagle-drafter"}
 
 
